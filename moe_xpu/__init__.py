@@ -1,0 +1,8 @@
+"""moe_xpu: Mixture-of-Experts grouped GEMM in one SYCL kernel, for Intel GPUs (XPU) and the
+SYCL CPU device, exposed as torch ops."""
+
+from moe_xpu import _runtime  # noqa: F401  (prepares the SYCL environment first)
+from moe_xpu.ops import MoeXpuInputError, moe_gemm
+
+__version__ = "0.1.0"
+__all__ = ["moe_gemm", "MoeXpuInputError", "__version__"]

@@ -1,0 +1,62 @@
+"""python -m moe_xpu info: what moe_xpu runs on here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+
+import torch
+
+from moe_xpu import _runtime
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def info() -> None:
+    import moe_xpu
+
+    C = _runtime.sycl_module()
+    print(f"moe_xpu          {moe_xpu.__version__}")
+    print(f"torch            {torch.__version__}")
+    print(f"intel-sycl-rt    {_version('intel-sycl-rt')}")
+    print(f"dpctl            {_version('dpctl')}")
+    print(f"MOE_XPU_BACKEND  {_runtime.requested_backend()}")
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    print(f"XPU tensors      {'available: ' + torch.xpu.get_device_name() if xpu else 'no XPU device'}")
+    if C is None:
+        print(f"SYCL launcher    not loaded ({_runtime.import_error()})")
+    print(f"CPU backend      {_runtime.cpu_backend()}")
+    if C is not None and C.cpu_device_available():
+        d = C.device_info(0)
+        print("SYCL CPU device")
+        print(f"  name           {d.name}")
+        print(f"  backend        {d.backend} (driver {d.driver_version})")
+        print(f"  compute units  {d.compute_units}")
+        print(f"  sub-groups     {list(d.sub_group_sizes)}")
+        print(f"  max work-group {d.max_work_group_size}")
+        print(f"  local memory   {d.local_mem_size} bytes")
+    print(f"kernel cache     {_runtime.cache_dir()} (persistent: {_persistent()})")
+
+
+def _persistent() -> bool:
+    import os
+
+    return os.environ.get("SYCL_CACHE_PERSISTENT", "0") == "1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_xpu")
+    parser.add_argument("command", choices=["info"], help="info: backend, device, versions, cache")
+    parser.parse_args(argv)
+    info()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

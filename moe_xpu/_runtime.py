@@ -1,0 +1,86 @@
+"""Loads the SYCL launcher (moe_xpu._C) and decides which backend runs CPU tensors.
+
+The SYCL runtime reads its environment when it first loads, so the variables below are set
+before ``_C`` is imported: the OpenCL CPU driver shipped in the ``intel-opencl-rt`` wheel (its ICD
+file holds a placeholder path), and the runtime's persistent kernel cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moe_xpu", "sycl")
+
+
+def _prepare_environment() -> None:
+    ocl_cpu = Path(sys.prefix) / "lib" / "libintelocl.so"
+    if ocl_cpu.exists():
+        os.environ.setdefault("OCL_ICD_FILENAMES", str(ocl_cpu))
+    os.environ.setdefault("SYCL_CACHE_PERSISTENT", "1")
+    os.environ.setdefault("SYCL_CACHE_DIR", _default_cache_dir())
+
+
+_prepare_environment()
+
+try:
+    from moe_xpu import _C  # noqa: E402  (after the environment is prepared)
+
+    _IMPORT_ERROR: Exception | None = None
+except ImportError as exc:  # the runtime or the built module is missing: plain-PyTorch fallback
+    _C = None
+    _IMPORT_ERROR = exc
+
+_cpu_device: bool | None = None
+
+
+def sycl_module():
+    """The launcher module, or None when it could not be loaded."""
+    return _C
+
+
+def import_error() -> Exception | None:
+    return _IMPORT_ERROR
+
+
+def requested_backend() -> str:
+    """MOE_XPU_BACKEND: "auto" (default), "sycl" or "torch"."""
+    value = os.environ.get("MOE_XPU_BACKEND", "auto").strip().lower() or "auto"
+    if value not in ("auto", "sycl", "torch"):
+        raise ValueError(f"MOE_XPU_BACKEND must be 'auto', 'sycl' or 'torch', got {value!r}")
+    return value
+
+
+def cpu_backend() -> str:
+    """Backend for CPU tensors: "sycl" (kernels on the SYCL CPU device) or "torch" (fallback)."""
+    global _cpu_device
+    requested = requested_backend()
+    if requested == "torch":
+        return "torch"
+    if _C is not None and _cpu_device is None:
+        _cpu_device = bool(_C.cpu_device_available())
+    available = _C is not None and bool(_cpu_device)
+    if requested == "sycl" and not available:
+        reason = _IMPORT_ERROR if _C is None else "no SYCL CPU device was found"
+        raise RuntimeError(f"MOE_XPU_BACKEND=sycl but the SYCL CPU path is unavailable: {reason}")
+    return "sycl" if available else "torch"
+
+
+def queue_address(device: torch.device) -> int:
+    """Address of the sycl::queue to launch on: torch's current XPU stream, 0 for the CPU device."""
+    if device.type == "xpu":
+        queue = torch.xpu.current_stream(device).sycl_queue
+        if not isinstance(queue, int):  # older IPEX builds hand out a capsule
+            raise RuntimeError("moe_xpu needs torch.xpu streams that expose sycl_queue as an address")
+        return queue
+    return 0
+
+
+def cache_dir() -> str:
+    return os.environ.get("SYCL_CACHE_DIR", "")

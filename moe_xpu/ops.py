@@ -1,0 +1,272 @@
+"""The torch op layer: argument checks, the ``moe_xpu::moe_gemm`` custom op and its CPU, XPU and
+fake implementations. Tensors are unpacked here into the launcher's ``GemmArgs``."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_xpu import _runtime, torch_fallback
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class MoeXpuInputError(ValueError, TypeError):
+    """Bad argument to a moe_xpu op. A ValueError and a TypeError, so either ``except`` works."""
+
+
+def _fail(message: str) -> None:
+    raise MoeXpuInputError(message)
+
+
+def _resolve_out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is None or out_dtype == a.dtype:
+        return a.dtype
+    if out_dtype == torch.float32:
+        return out_dtype
+    _fail(f"out_dtype must be None, {a.dtype} (a.dtype) or torch.float32, got {out_dtype}")
+    raise AssertionError  # unreachable
+
+
+def check_moe_gemm_metadata(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    gather_index: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> torch.dtype:
+    """Checks everything knowable without reading tensor values (so it also runs on fake tensors).
+    Returns the output dtype."""
+    for name, t in (("a", a), ("b", b), ("group_offsets", group_offsets)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2:
+        _fail(f"a must be 2-D [T, K], got shape {tuple(a.shape)}")
+    if b.dim() != 3:
+        _fail(f"b must be 3-D [E, K, N], got shape {tuple(b.shape)}")
+    if group_offsets.dim() != 1:
+        _fail(f"group_offsets must be 1-D [E], got shape {tuple(group_offsets.shape)}")
+    if a.dtype not in SUPPORTED_DTYPES:
+        _fail(f"a must be float32, bfloat16 or float16, got {a.dtype}")
+    if b.dtype != a.dtype:
+        _fail(f"b must have a's dtype {a.dtype}, got {b.dtype}")
+    if group_offsets.dtype not in INDEX_DTYPES:
+        _fail(f"group_offsets must be int32 or int64, got {group_offsets.dtype}")
+    E, K, N = b.shape
+    if a.shape[1] != K:
+        _fail(f"b's K dimension (b.shape[1] = {K}) must equal a.shape[1] = {a.shape[1]}")
+    if group_offsets.shape[0] != E:
+        _fail(f"group_offsets must have E = b.shape[0] = {E} entries, got {group_offsets.shape[0]}")
+    tensors = {"b": b, "group_offsets": group_offsets}
+    if gather_index is not None:
+        if gather_index.dim() != 1:
+            _fail(f"gather_index must be 1-D [M], got shape {tuple(gather_index.shape)}")
+        if gather_index.dtype not in INDEX_DTYPES:
+            _fail(f"gather_index must be int32 or int64, got {gather_index.dtype}")
+        tensors["gather_index"] = gather_index
+    if bias is not None:
+        if tuple(bias.shape) != (E, N):
+            _fail(f"bias must have shape [E, N] = [{E}, {N}], got {tuple(bias.shape)}")
+        if bias.dtype != a.dtype:
+            _fail(f"bias must have a's dtype {a.dtype}, got {bias.dtype}")
+        tensors["bias"] = bias
+    for name, t in tensors.items():
+        if t.device != a.device:
+            _fail(f"{name} is on {t.device} but a is on {a.device}: all inputs must share a device")
+    if a.device.type not in ("cpu", "xpu"):
+        _fail(f"a must be a CPU or XPU tensor, got device {a.device}")
+    return _resolve_out_dtype(a, out_dtype)
+
+
+def _check_values_on_host(
+    a: torch.Tensor, group_offsets: torch.Tensor, gather_index: torch.Tensor | None
+) -> None:
+    """Value checks for CPU tensors, where reading them costs no device synchronisation."""
+    available = a.shape[0] if gather_index is None else gather_index.shape[0]
+    if group_offsets.numel():
+        if int(group_offsets[0]) < 0:
+            _fail(f"group_offsets must be non-negative, got group_offsets[0] = {int(group_offsets[0])}")
+        steps = group_offsets[1:] < group_offsets[:-1]
+        if bool(steps.any()):
+            g = int(steps.nonzero()[0]) + 1
+            _fail(
+                f"group_offsets must be non-decreasing (cumulative end offsets), but "
+                f"group_offsets[{g}] = {int(group_offsets[g])} < group_offsets[{g - 1}] = "
+                f"{int(group_offsets[g - 1])}"
+            )
+        last = int(group_offsets[-1])
+    else:
+        last = 0
+    if gather_index is None:
+        if last > available:
+            _fail(f"group_offsets[-1] = {last} exceeds the {available} rows of a")
+        return
+    if last != available:
+        _fail(f"gather_index must have group_offsets[-1] = {last} entries, got {available}")
+    if gather_index.numel():
+        lo, hi = int(gather_index.min()), int(gather_index.max())
+        if lo < 0 or hi >= a.shape[0]:
+            bad = lo if lo < 0 else hi
+            _fail(f"gather_index values must lie in [0, {a.shape[0]}) (rows of a), found {bad}")
+
+
+def _check_values_on_device(
+    a: torch.Tensor, group_offsets: torch.Tensor, gather_index: torch.Tensor | None
+) -> None:
+    """The same checks for XPU tensors, queued on the device (no host synchronisation). The
+    kernel also clamps every offset and index, so bad values can never address memory out of
+    range."""
+    available = a.shape[0] if gather_index is None else gather_index.shape[0]
+    if group_offsets.numel():
+        ok = (group_offsets[0] >= 0) & (group_offsets[1:] >= group_offsets[:-1]).all()
+        last = group_offsets[-1]
+        ok &= (last == available) if gather_index is not None else (last <= available)
+        torch._assert_async(ok, "moe_xpu: group_offsets must be non-negative, non-decreasing and within the rows")
+    if gather_index is not None and gather_index.numel():
+        ok = (gather_index.min() >= 0) & (gather_index.max() < a.shape[0])
+        torch._assert_async(ok, "moe_xpu: gather_index values must lie in [0, rows of a)")
+
+
+_LAUNCHER_DTYPES = {}
+
+
+def _launcher_dtype(dtype: torch.dtype):
+    C = _runtime.sycl_module()
+    if not _LAUNCHER_DTYPES:
+        _LAUNCHER_DTYPES.update(
+            {
+                torch.float32: C.DType.float32,
+                torch.float16: C.DType.float16,
+                torch.bfloat16: C.DType.bfloat16,
+            }
+        )
+    return _LAUNCHER_DTYPES[dtype]
+
+
+def gemm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    gather_index: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+):
+    """Fills the launcher's argument struct. Inputs must already be in a kernel-ready layout
+    (see ``_kernel_ready``); the caller keeps the tensors alive until the launch completes."""
+    C = _runtime.sycl_module()
+    E, K, N = b.shape
+    args = C.GemmArgs()
+    args.queue = _runtime.queue_address(a.device)
+    args.dtype = _launcher_dtype(a.dtype)
+    args.out_dtype = _launcher_dtype(out.dtype)
+    args.a = a.data_ptr()
+    args.a_row_stride = a.stride(0)
+    args.a_rows = a.shape[0]
+    if gather_index is not None:
+        args.gather_index = gather_index.data_ptr()
+        args.gather_is_int64 = gather_index.dtype == torch.int64
+    args.b = b.data_ptr()
+    args.b_stride_e = b.stride(0)
+    # Strides of size-1 dimensions carry no information: normalise them so the layout test
+    # (K contiguous or N contiguous) sees the truth.
+    args.b_stride_k = 1 if K <= 1 else b.stride(1)
+    args.b_stride_n = 1 if (N <= 1 and args.b_stride_k != 1) else b.stride(2)
+    if bias is not None:
+        args.bias = bias.data_ptr()
+        args.bias_stride_e = bias.stride(0)
+    args.out = out.data_ptr()
+    args.out_row_stride = out.stride(0)
+    args.out_rows = out.shape[0]
+    args.group_offsets = group_offsets.data_ptr()
+    args.offsets_are_int64 = group_offsets.dtype == torch.int64
+    args.num_groups = E
+    args.K = K
+    args.N = N
+    return args
+
+
+def _kernel_ready(a, b, group_offsets, gather_index, bias):
+    """Copies only what the kernel cannot read in place: a needs unit stride along K, b needs
+    unit stride along K (nn.Linear weights transposed) or along N (a contiguous [E, K, N])."""
+    if a.shape[1] > 1 and a.stride(1) != 1:
+        a = a.contiguous()
+    K, N = b.shape[1], b.shape[2]
+    if K > 1 and N > 1 and b.stride(1) != 1 and b.stride(2) != 1:
+        b = b.contiguous()
+    group_offsets = group_offsets.contiguous()
+    if gather_index is not None:
+        gather_index = gather_index.contiguous()
+    if bias is not None and bias.shape[1] > 1 and bias.stride(1) != 1:
+        bias = bias.contiguous()
+    return a, b, group_offsets, gather_index, bias
+
+
+def _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype):
+    a, b, group_offsets, gather_index, bias = _kernel_ready(a, b, group_offsets, gather_index, bias)
+    rows = a.shape[0] if gather_index is None else gather_index.shape[0]
+    out = torch.empty(rows, b.shape[2], dtype=out_dtype, device=a.device)
+    _runtime.sycl_module().moe_gemm(gemm_args(a, b, group_offsets, gather_index, bias, out))
+    return out
+
+
+@torch.library.custom_op("moe_xpu::moe_gemm", mutates_args=())
+def _moe_gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    gather_index: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    raise NotImplementedError(f"moe_xpu.moe_gemm has no implementation for device {a.device}")
+
+
+@_moe_gemm_op.register_kernel("cpu")
+def _moe_gemm_cpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
+    out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    _check_values_on_host(a, group_offsets, gather_index)
+    if _runtime.cpu_backend() == "torch":
+        return torch_fallback.moe_gemm(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)
+
+
+@_moe_gemm_op.register_kernel("xpu")
+def _moe_gemm_xpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
+    out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    _check_values_on_device(a, group_offsets, gather_index)
+    if _runtime.sycl_module() is None:
+        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
+    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)
+
+
+@_moe_gemm_op.register_fake
+def _moe_gemm_fake(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
+    out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    rows = a.shape[0] if gather_index is None else gather_index.shape[0]
+    return a.new_empty(rows, b.shape[2], dtype=out_dtype)
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    *,
+    gather_index: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM over experts in one kernel.
+
+    a: [T, K]; b: [E, K, N] (a contiguous tensor, or ``w.transpose(1, 2)`` of nn.Linear-layout
+    weights w [E, N, K], both read in place); group_offsets: int32/int64 [E], cumulative end
+    offsets as in ``torch.nn.functional.grouped_mm``'s ``offs``.
+
+    Without gather_index, row i of the output (T rows) is ``a[i] @ b[g]`` for the group g that
+    owns row i; rows at or past ``group_offsets[-1]`` are zero. With gather_index [M]
+    (M == group_offsets[-1]), row i is ``a[gather_index[i]] @ b[g]``: the kernel reads token rows
+    through the index, no gathered copy of ``a`` is made. ``bias`` [E, N] is added per group.
+    Accumulation is in float32; out_dtype is None (a.dtype) or torch.float32.
+    """
+    check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _moe_gemm_op(a, b, group_offsets, gather_index, bias, out_dtype)

@@ -1,0 +1,73 @@
+// pybind11 module moe_xpu._C: the launcher's entry points, taking raw addresses and strides.
+// No libtorch here: the torch op layer (moe_xpu/ops.py) unpacks tensors in Python.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "launcher.hpp"
+
+namespace py = pybind11;
+using moe_xpu::DType;
+using moe_xpu::GemmArgs;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "moe_xpu SYCL launcher";
+
+  py::enum_<DType>(m, "DType")
+      .value("float32", DType::float32)
+      .value("float16", DType::float16)
+      .value("bfloat16", DType::bfloat16);
+
+  py::class_<GemmArgs>(m, "GemmArgs")
+      .def(py::init<>())
+      .def_readwrite("queue", &GemmArgs::queue)
+      .def_readwrite("dtype", &GemmArgs::dtype)
+      .def_readwrite("out_dtype", &GemmArgs::out_dtype)
+      .def_readwrite("a", &GemmArgs::a)
+      .def_readwrite("a_row_stride", &GemmArgs::a_row_stride)
+      .def_readwrite("a_rows", &GemmArgs::a_rows)
+      .def_readwrite("gather_index", &GemmArgs::gather_index)
+      .def_readwrite("gather_is_int64", &GemmArgs::gather_is_int64)
+      .def_readwrite("b", &GemmArgs::b)
+      .def_readwrite("b_stride_e", &GemmArgs::b_stride_e)
+      .def_readwrite("b_stride_k", &GemmArgs::b_stride_k)
+      .def_readwrite("b_stride_n", &GemmArgs::b_stride_n)
+      .def_readwrite("bias", &GemmArgs::bias)
+      .def_readwrite("bias_stride_e", &GemmArgs::bias_stride_e)
+      .def_readwrite("out", &GemmArgs::out)
+      .def_readwrite("out_row_stride", &GemmArgs::out_row_stride)
+      .def_readwrite("out_rows", &GemmArgs::out_rows)
+      .def_readwrite("group_offsets", &GemmArgs::group_offsets)
+      .def_readwrite("offsets_are_int64", &GemmArgs::offsets_are_int64)
+      .def_readwrite("num_groups", &GemmArgs::num_groups)
+      .def_readwrite("K", &GemmArgs::K)
+      .def_readwrite("N", &GemmArgs::N)
+      .def_readwrite("tile_m", &GemmArgs::tile_m)
+      .def_readwrite("tile_n", &GemmArgs::tile_n)
+      .def_readwrite("num_workers", &GemmArgs::num_workers);
+
+  py::class_<moe_xpu::LaunchPlan>(m, "LaunchPlan")
+      .def_readonly("kernel_name", &moe_xpu::LaunchPlan::kernel_name)
+      .def_readonly("tile_m", &moe_xpu::LaunchPlan::tile_m)
+      .def_readonly("tile_n", &moe_xpu::LaunchPlan::tile_n)
+      .def_readonly("num_workers", &moe_xpu::LaunchPlan::num_workers)
+      .def_readonly("work_group_size", &moe_xpu::LaunchPlan::work_group_size);
+
+  py::class_<moe_xpu::DeviceInfo>(m, "DeviceInfo")
+      .def_readonly("name", &moe_xpu::DeviceInfo::name)
+      .def_readonly("backend", &moe_xpu::DeviceInfo::backend)
+      .def_readonly("driver_version", &moe_xpu::DeviceInfo::driver_version)
+      .def_readonly("compute_units", &moe_xpu::DeviceInfo::compute_units)
+      .def_readonly("sub_group_sizes", &moe_xpu::DeviceInfo::sub_group_sizes)
+      .def_readonly("max_work_group_size", &moe_xpu::DeviceInfo::max_work_group_size)
+      .def_readonly("local_mem_size", &moe_xpu::DeviceInfo::local_mem_size)
+      .def_readonly("is_cpu", &moe_xpu::DeviceInfo::is_cpu);
+
+  // The GIL is released while kernels build and run so other Python threads keep going.
+  m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
+  m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
+  m.def("device_info", &moe_xpu::device_info, py::arg("queue") = 0);
+  m.def("cpu_device_available", &moe_xpu::cpu_device_available);
+  m.def("warm_up", &moe_xpu::warm_up, py::arg("queue"), py::arg("dtype"), py::arg("out_dtype"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("kernel_source", &moe_xpu::kernel_source);
+}

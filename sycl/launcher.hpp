@@ -1,0 +1,71 @@
+// Host side of moe_xpu: builds the runtime-compiled kernels, caches them, and launches them on
+// a SYCL queue (torch's current XPU queue, or a process-wide queue on the SYCL CPU device).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe_xpu {
+
+enum class DType : int { float32 = 0, float16 = 1, bfloat16 = 2 };
+
+// Everything one grouped GEMM launch needs; pointers are device (or, on the CPU device, host)
+// addresses, strides are in elements. Filled in by the Python op layer.
+struct GemmArgs {
+  std::uintptr_t queue = 0;  // address of a sycl::queue; 0 = the SYCL CPU device queue
+  DType dtype = DType::float32;
+  DType out_dtype = DType::float32;
+  std::uintptr_t a = 0;
+  std::int64_t a_row_stride = 0;
+  std::int64_t a_rows = 0;  // rows of a (bounds gather_index)
+  std::uintptr_t gather_index = 0;  // 0 = none
+  bool gather_is_int64 = false;
+  std::uintptr_t b = 0;
+  std::int64_t b_stride_e = 0, b_stride_k = 0, b_stride_n = 0;
+  std::uintptr_t bias = 0;  // 0 = none
+  std::int64_t bias_stride_e = 0;
+  std::uintptr_t out = 0;
+  std::int64_t out_row_stride = 0;
+  std::int64_t out_rows = 0;
+  std::uintptr_t group_offsets = 0;
+  bool offsets_are_int64 = false;
+  std::int64_t num_groups = 0;
+  std::int64_t K = 0, N = 0;
+  // Overrides for tuning and tests; 0 = chosen by the heuristic.
+  int tile_m = 0;
+  int tile_n = 0;
+  std::int64_t num_workers = 0;
+};
+
+struct DeviceInfo {
+  std::string name;
+  std::string backend;
+  std::string driver_version;
+  std::uint32_t compute_units = 0;
+  std::vector<std::size_t> sub_group_sizes;
+  std::size_t max_work_group_size = 0;
+  std::size_t local_mem_size = 0;
+  bool is_cpu = false;
+};
+
+// The launch configuration chosen for a problem (exposed for tests, the bench and `info`).
+struct LaunchPlan {
+  std::string kernel_name;
+  int tile_m = 0;
+  int tile_n = 0;  // columns per worker tile
+  std::int64_t num_workers = 0;
+  std::int64_t work_group_size = 0;
+};
+
+LaunchPlan plan_gemm(const GemmArgs& args);
+// Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
+// synchronous); on a caller's queue it returns at once.
+void moe_gemm(const GemmArgs& args);
+DeviceInfo device_info(std::uintptr_t queue);
+bool cpu_device_available();
+// Builds (or loads from the persistent cache) every kernel of one dtype pair; returns seconds.
+double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype);
+const char* kernel_source();
+
+}  // namespace moe_xpu

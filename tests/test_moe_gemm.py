@@ -1,0 +1,234 @@
+"""moe_xpu.moe_gemm against the float64 reference, on shapes and routings that break things."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moe_xpu
+from moe_xpu import _runtime, ops
+from reference import assert_matches_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+LAYOUTS = ["kn", "linear"]  # contiguous [E, K, N]; nn.Linear weights [E, N, K] transposed
+BACKENDS = ["sycl", "torch"]
+
+
+def make_b(E, K, N, dtype, layout):
+    if layout == "kn":
+        return torch.randn(E, K, N, dtype=dtype)
+    return torch.randn(E, N, K, dtype=dtype).transpose(1, 2)
+
+
+def offsets(counts, dtype=torch.int32):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(dtype)
+
+
+def route(kind, E, T):
+    """Rows per group for a routing pattern; the sum is at most T."""
+    if kind == "random":
+        if T == 0:
+            return [0] * E
+        return torch.bincount(torch.randint(0, E, (T,)), minlength=E).tolist()
+    if kind == "empty_groups":  # every other group empty, the rest share the rows
+        live = list(range(0, E, 2))
+        counts = [0] * E
+        for i in range(T):
+            counts[live[i % len(live)]] += 1
+        return counts
+    if kind == "one_group_all":
+        counts = [0] * E
+        counts[E // 2] = T
+        return counts
+    if kind == "partial":  # rows past group_offsets[-1] must come out zero
+        counts = [0] * E
+        counts[-1] = T // 2
+        return counts
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("MOE_XPU_BACKEND", request.param)
+    if request.param == "sycl" and _runtime.sycl_module() is None:
+        pytest.skip("SYCL launcher not built")
+    return request.param
+
+
+SHAPES_KN = [(1, 1), (3, 257), (127, 3), (257, 127)]
+ROUTINGS = ["random", "empty_groups", "one_group_all", "partial"]
+
+
+@pytest.mark.parametrize(
+    "dtype,layout,E,KN,routing",
+    list(itertools.product(DTYPES, LAYOUTS, [1, 8, 64, 128], SHAPES_KN, ROUTINGS)),
+)
+def test_matches_reference(dtype, layout, E, KN, routing):
+    K, N = KN
+    T = 37
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    offs = offsets(route(routing, E, T))
+    out = moe_xpu.moe_gemm(a, b, offs)
+    assert_matches_reference(out, a, b, offs)
+    assert not out[int(offs[-1]) :].any(), "rows past group_offsets[-1] must be zero"
+
+
+@pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))
+def test_both_backends_agree_with_reference(backend, dtype, layout):
+    T, E, K, N = 50, 6, 33, 45
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    offs = offsets([10, 0, 17, 3, 0, 15])
+    bias = torch.randn(E, N, dtype=dtype)
+    out = moe_xpu.moe_gemm(a, b, offs, bias=bias)
+    assert_matches_reference(out, a, b, offs, bias=bias)
+
+
+@pytest.mark.parametrize("dtype,layout,E", list(itertools.product(DTYPES, LAYOUTS, [1, 8, 64])))
+def test_zero_rows(dtype, layout, E):
+    a = torch.empty(0, 19, dtype=dtype)
+    b = make_b(E, 19, 23, dtype, layout)
+    out = moe_xpu.moe_gemm(a, b, torch.zeros(E, dtype=torch.int32))
+    assert out.shape == (0, 23) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))
+def test_gather_with_repeated_and_permuted_indices(dtype, layout):
+    T, E, K, N = 20, 8, 129, 70
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    counts = [5, 0, 12, 1, 0, 9, 3, 10]
+    M = sum(counts)
+    gather = torch.cat([torch.randperm(T), torch.randint(0, T, (M - T,))])  # permuted + repeats
+    for index_dtype, offs_dtype in itertools.product([torch.int32, torch.int64], repeat=2):
+        offs = offsets(counts, offs_dtype)
+        gi = gather.to(index_dtype)
+        out = moe_xpu.moe_gemm(a, b, offs, gather_index=gi)
+        assert out.shape == (M, N)
+        assert_matches_reference(out, a, b, offs, gather_index=gi)
+
+
+@pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))
+def test_bias_and_out_dtype(dtype, layout):
+    T, E, K, N = 41, 8, 64, 96
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    bias = torch.randn(E, N, dtype=dtype)
+    offs = offsets(route("random", E, T - 3))
+    out = moe_xpu.moe_gemm(a, b, offs, bias=bias, out_dtype=torch.float32)
+    assert_matches_reference(out, a, b, offs, bias=bias, out_dtype=torch.float32)
+    assert not out[int(offs[-1]) :].any(), "bias must not leak into rows past group_offsets[-1]"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strided_inputs(layout):
+    T, E, K, N = 30, 4, 40, 50
+    big = torch.randn(T, 2 * K + 5)
+    a = big[:, 3 : 3 + K]  # row stride 2K+5: read in place
+    a_cols = torch.randn(K, T).t()  # column-major: copied, still correct
+    b = make_b(E, K, N, torch.float32, layout)[:, :, :]
+    b_sliced = make_b(2 * E, K, N, torch.float32, layout)[::2]  # expert stride doubled
+    bias = torch.randn(N, E).t()  # column-major bias
+    offs = offsets([7, 8, 0, 15])
+    for aa, bb in itertools.product([a, a_cols], [b, b_sliced]):
+        out = moe_xpu.moe_gemm(aa, bb, offs, bias=bias)
+        assert_matches_reference(out, aa, bb, offs, bias=bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weights_read_in_place(layout):
+    """Both weight layouts go to the kernel as they are: no copy of b is made."""
+    a = torch.randn(10, 16)
+    b = make_b(3, 16, 32, torch.float32, layout)
+    ready = ops._kernel_ready(a, b, offsets([3, 3, 4]), None, None)
+    assert ready[1].data_ptr() == b.data_ptr() and ready[1].stride() == b.stride()
+
+
+def test_matches_grouped_mm():
+    T, E, K, N = 64, 8, 96, 80
+    a = torch.randn(T, K)
+    b = torch.randn(E, K, N)
+    offs = offsets(route("random", E, T - 5))
+    out = moe_xpu.moe_gemm(a, b, offs)
+    expected = F.grouped_mm(a, b, offs=offs)
+    end = int(offs[-1])
+    torch.testing.assert_close(out[:end], expected[:end], rtol=1e-4, atol=1e-4)
+
+
+def test_many_experts_and_large_problem():
+    T, E, K, N = 600, 256, 72, 48
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    offs = offsets(route("random", E, T), torch.int64)
+    assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forced_tiles_and_worker_counts_agree(layout):
+    """Every compiled tile shape and odd worker counts produce the reference result."""
+    C = _runtime.sycl_module()
+    if C is None:
+        pytest.skip("SYCL launcher not built")
+    T, E, K, N = 45, 5, 70, 90
+    a = torch.randn(T, K)
+    b = make_b(E, K, N, torch.float32, layout)
+    offs = offsets([9, 0, 20, 1, 11])
+    gi = torch.randint(0, T, (41,))
+    a_, b_, offs_, gi_, _ = ops._kernel_ready(a, b, offs, gi, None)
+    first = None
+    for tile_m, workers in itertools.product([1, 4, 8], [1, 3, 7, 1000]):
+        out = torch.empty(41, N)
+        args = ops.gemm_args(a_, b_, offs_, gi_, None, out)
+        args.tile_m = tile_m
+        args.tile_n = {1: 8, 4: 4, 8: 4}[tile_m] if layout == "linear" else {1: 4, 4: 3, 8: 3}[tile_m]
+        args.num_workers = workers
+        C.moe_gemm(args)
+        assert_matches_reference(out, a, b, offs, gather_index=gi)
+        if first is None:
+            first = out
+        elif tile_m == 1:
+            assert torch.equal(out, first), "worker count must not change the result"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bitwise_deterministic(dtype):
+    T, E, K, N = 300, 16, 257, 129
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, "linear")
+    offs = offsets(route("random", E, T))
+    gi = torch.randint(0, T, (T,))
+    first = moe_xpu.moe_gemm(a, b, offs, gather_index=gi)
+    for _ in range(3):
+        assert torch.equal(moe_xpu.moe_gemm(a, b, offs, gather_index=gi), first)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    T=st.integers(0, 70),
+    E=st.integers(1, 20),
+    K=st.integers(1, 80),
+    N=st.integers(1, 80),
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(LAYOUTS),
+    use_gather=st.booleans(),
+    use_bias=st.booleans(),
+    data=st.data(),
+)
+def test_property_random_shapes_and_routings(T, E, K, N, dtype, layout, use_gather, use_bias, data):
+    routed = data.draw(st.integers(0, T))
+    cuts = sorted(data.draw(st.lists(st.integers(0, routed), min_size=E - 1, max_size=E - 1)))
+    offs = torch.tensor(cuts + [routed], dtype=torch.int64)
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    bias = torch.randn(E, N, dtype=dtype) if use_bias else None
+    gi = torch.randint(0, max(T, 1), (routed,)) if use_gather and T > 0 else None
+    if gi is None and use_gather:
+        return
+    out = moe_xpu.moe_gemm(a, b, offs, gather_index=gi, bias=bias)
+    assert_matches_reference(out, a, b, offs, gather_index=gi, bias=bias)
