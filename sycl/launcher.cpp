@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -56,8 +59,9 @@ const char* type_name(DType t) {
 struct TileShape {
   int tile_m, tile_n;
 };
-constexpr TileShape kKLanesTiles[] = {{1, 8}, {4, 4}, {8, 4}};
-constexpr TileShape kNLanesTiles[] = {{1, 4}, {4, 3}, {8, 3}};
+constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
+constexpr TileShape kKLanesTiles[] = {{1, 8}, {4, 4}, {8, 3}, {2, 8}, {4, 6}, {6, 4}, {1, 16}, {2, 12}};
+constexpr TileShape kNLanesTiles[] = {{1, 4}, {4, 3}, {8, 3}, {16, 1}, {12, 2}};
 
 std::string kernel_name(bool k_lanes, DType t, DType out, TileShape s) {
   std::ostringstream name;
@@ -83,15 +87,28 @@ std::string bundle_key(const sycl::queue& q, DType t, DType out) {
   return key.str();
 }
 
+// The embedded kernel source, or for kernel development the file named by MOE_XPU_KERNEL_SOURCE
+// (edit and rerun without rebuilding the module).
+std::string kernel_source_text() {
+  const char* path = std::getenv("MOE_XPU_KERNEL_SOURCE");
+  if (path == nullptr || *path == '\0') return kMoeGemmSource;
+  std::ifstream file(path);
+  if (!file) throw std::runtime_error(std::string("moe_xpu: cannot read MOE_XPU_KERNEL_SOURCE=") + path);
+  return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+}
+
 // All variants of one (dtype, out_dtype) pair are compiled in one bundle: one compiler run,
 // and the runtime's persistent cache makes later processes skip it.
 Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   std::lock_guard<std::mutex> lock(state_mutex());
   const std::string key = bundle_key(q, t, out);
+  const auto sizes = q.get_device().get_info<sycl::info::device::sub_group_sizes>();
+  if (std::find(sizes.begin(), sizes.end(), std::size_t{16}) == sizes.end())
+    throw std::runtime_error("moe_xpu: the kernels need sub-group size 16, which this device lacks");
   auto found = bundles().find(key);
   if (found != bundles().end()) return *found->second;
 
-  std::string source = kMoeGemmSource;
+  std::string source = kernel_source_text();
   std::vector<std::string> names;
   std::ostringstream inst;
   auto add = [&](bool k_lanes, TileShape s) {
@@ -141,7 +158,8 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   TileShape shape = rows_per_group <= 2.0 ? shapes[0] : (rows_per_group <= 6.0 ? shapes[1] : shapes[2]);
   if (args.tile_m != 0 || args.tile_n != 0) {
     bool found = false;
-    for (int i = 0; i < 3; ++i)
+    const std::size_t count = k_lanes ? std::size(kKLanesTiles) : std::size(kNLanesTiles);
+    for (std::size_t i = 0; i < count; ++i)
       if (shapes[i].tile_m == args.tile_m && shapes[i].tile_n == args.tile_n) {
         shape = shapes[i];
         found = true;
@@ -162,13 +180,24 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   const std::int64_t workers_per_cu = is_cpu(q) ? 4 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
   std::int64_t workers = args.num_workers > 0 ? args.num_workers : compute_units * workers_per_cu;
-  // Never more workers than there can be tiles (every group may add one partial row tile).
+  // Never more workers than there can be work units (see for_each_owned_tile in the kernel: a
+  // unit covers up to kUnitRows rows of one group; every group may add one partial unit).
   const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
-  const std::int64_t max_tiles = (args.out_rows / plan.tile_m + args.num_groups + 1) * tiles_n;
-  workers = std::max<std::int64_t>(1, std::min(workers, max_tiles));
+  const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
+  const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
+  workers = std::max<std::int64_t>(1, std::min(workers, max_units));
   workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
   plan.num_workers = workers;
   return plan;
+}
+
+std::vector<std::pair<int, int>> tile_shapes(bool k_lanes) {
+  std::vector<std::pair<int, int>> shapes;
+  if (k_lanes)
+    for (TileShape s : kKLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
+  else
+    for (TileShape s : kNLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
+  return shapes;
 }
 
 void moe_gemm(const GemmArgs& args) {

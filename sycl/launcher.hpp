@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe_xpu {
@@ -59,6 +60,8 @@ struct LaunchPlan {
 };
 
 LaunchPlan plan_gemm(const GemmArgs& args);
+// The (tile_m, tile_n) shapes compiled for one B layout (k_lanes: K-contiguous B).
+std::vector<std::pair<int, int>> tile_shapes(bool k_lanes);
 // Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);

@@ -182,17 +182,16 @@ def test_forced_tiles_and_worker_counts_agree(layout):
     gi = torch.randint(0, T, (41,))
     a_, b_, offs_, gi_, _ = ops._kernel_ready(a, b, offs, gi, None)
     first = None
-    for tile_m, workers in itertools.product([1, 4, 8], [1, 3, 7, 1000]):
+    shapes = C.tile_shapes(layout == "linear")
+    for (tile_m, tile_n), workers in itertools.product(shapes, [1, 3, 7, 1000]):
         out = torch.empty(41, N)
         args = ops.gemm_args(a_, b_, offs_, gi_, None, out)
-        args.tile_m = tile_m
-        args.tile_n = {1: 8, 4: 4, 8: 4}[tile_m] if layout == "linear" else {1: 4, 4: 3, 8: 3}[tile_m]
-        args.num_workers = workers
+        args.tile_m, args.tile_n, args.num_workers = tile_m, tile_n, workers
         C.moe_gemm(args)
         assert_matches_reference(out, a, b, offs, gather_index=gi)
-        if first is None:
-            first = out
-        elif tile_m == 1:
+        if (tile_m, tile_n) == shapes[0]:
+            if first is None:
+                first = out
             assert torch.equal(out, first), "worker count must not change the result"
 
 

@@ -8,10 +8,11 @@
 // m of group g, where group g owns rows [group_offsets[g-1], group_offsets[g]) and
 // row(m) = gather_index[m] when an index table is given, else m.
 //
-// Scheduling: a fixed set of workers (one sub-group each) loops over the output tiles of all
-// groups. Each worker walks the groups once, derives each group's tile range from the
-// cumulative row offsets in device memory, and takes every num_workers-th tile. Empty groups
-// cost one offset read. Rows at or past group_offsets[E-1] form a last "tail" group whose
+// Scheduling: a fixed set of workers (one sub-group each) loops over the work units of all
+// groups. Each worker walks the groups once, derives each group's unit range from the
+// cumulative row offsets in device memory, and takes every num_workers-th unit. Empty groups
+// cost one offset read. A unit is one column tile of one group over several row tiles, so the
+// unit's slice of B is read from memory once and reused from cache. Rows at or past group_offsets[E-1] form a last "tail" group whose
 // tiles are written with zeros, so no separate memset is needed.
 //
 // All addresses are 64-bit offsets from the base pointers; no per-group pointer arrays.
@@ -55,15 +56,18 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
 
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Calls tile(g, row_begin, rows, m_tile, n_tile) for every tile this worker owns.
-// g == num_groups is the tail group (rows past the last offset). Offsets are clamped into
-// [previous offset, out_rows] so that malformed offsets can never address memory out of range
-// (the host validates them where it can do so without a synchronisation).
+// Calls tile(g, row_begin, rows, m_tile, n_tile) for every row tile of every work unit this worker
+// owns. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive
+// row tiles: the unit's B panel is read from memory once and reused from cache by its row tiles.
+// g == num_groups is the tail group (rows past the last offset, written with zeros). Offsets are
+// clamped into [previous offset, out_rows] so malformed offsets can never address memory out of
+// range (the host validates them where it can do so without a synchronisation).
 template <typename TileFn>
 inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void* group_offsets,
                                 int offsets_is64, int64_t num_groups, int64_t out_rows,
-                                int64_t tile_m, int64_t tiles_n, TileFn&& tile) {
-  int64_t tile_base = 0;
+                                int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
+                                TileFn&& tile) {
+  int64_t unit_base = 0;
   int64_t row_begin = 0;
   for (int64_t g = 0; g <= num_groups; ++g) {
     const int64_t row_end =
@@ -71,34 +75,44 @@ inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void*
                        : out_rows;
     const int64_t rows = row_end - row_begin;
     const int64_t tiles_m = (rows + tile_m - 1) / tile_m;
-    const int64_t count = tiles_m * tiles_n;
-    // Column tile outermost inside a group: workers running side by side share a B panel.
-    int64_t t = tile_base + ((worker - tile_base % num_workers) + num_workers) % num_workers;
-    for (; t < tile_base + count; t += num_workers) {
-      const int64_t local = t - tile_base;
-      tile(g, row_begin, rows, local % tiles_m, local / tiles_m);
+    const int64_t blocks_m = (tiles_m + tiles_per_unit - 1) / tiles_per_unit;
+    const int64_t count = blocks_m * tiles_n;
+    int64_t u = unit_base + ((worker - unit_base % num_workers) + num_workers) % num_workers;
+    for (; u < unit_base + count; u += num_workers) {
+      const int64_t local = u - unit_base;
+      const int64_t n_tile = local / blocks_m;
+      const int64_t m_first = (local % blocks_m) * tiles_per_unit;
+      const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
+      for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) tile(g, row_begin, rows, m_tile, n_tile);
     }
-    tile_base += count;
+    unit_base += count;
     row_begin = row_end;
   }
 }
+
+// Sub-group size the kernels are written for (the Xe native size; AVX-512 width on the CPU).
+constexpr int kLanes = 16;
+// Rows a work unit covers at most: enough to read B once in prefill, few enough that one
+// expert taking every row still spreads over many units.
+constexpr int64_t kUnitRows = 64;
 
 struct Worker {
   sycl::sub_group sg;
   int64_t id;     // this sub-group's index among all workers
   int64_t count;  // number of workers in the launch
   int lane;
-  int lanes;      // sub-group size: 16 is requested, but the code does not depend on it
 };
 
 inline Worker this_worker() {
   auto it = sycl::ext::oneapi::this_work_item::get_nd_item<1>();
   sycl::sub_group sg = it.get_sub_group();
   const int64_t per_group = sg.get_group_linear_range();
-  return Worker{sg, static_cast<int64_t>(it.get_group_linear_id()) * per_group + sg.get_group_linear_id(),
-                static_cast<int64_t>(it.get_group_range(0)) * per_group,
-                static_cast<int>(sg.get_local_linear_id()),
-                static_cast<int>(sg.get_local_linear_range())};
+  // Broadcast from lane 0: the vectorizer then knows the id is the same on every lane, so the
+  // tile loop is uniform control flow and the inner loops run unmasked.
+  const int64_t id = sycl::group_broadcast(
+      sg, static_cast<int64_t>(it.get_group_linear_id()) * per_group + sg.get_group_linear_id(), 0);
+  return Worker{sg, id, static_cast<int64_t>(it.get_group_range(0)) * per_group,
+                static_cast<int>(sg.get_local_linear_id())};
 }
 
 // Source row of output row m: through the index table when there is one. Clamped so that a bad
@@ -110,7 +124,7 @@ inline int64_t source_row(const void* gather_index, int gather_is64, int64_t m, 
 
 // Variant for B stored with K contiguous (b_stride_k == 1), e.g. nn.Linear weights [E, N, K]
 // seen through .transpose(1, 2). The 16 lanes split K; each lane keeps TM x TN partial sums,
-// reduced across the sub-group once per tile. Both A and B stream contiguously along K.
+// reduced across the sub-group once per tile. Both A and B are read as contiguous vectors.
 template <typename T, typename TOut, int TM, int TN>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
@@ -122,7 +136,7 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
   const Worker w = this_worker();
   const int64_t tiles_n = (N + TN - 1) / TN;
   for_each_owned_tile(
-      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, tiles_n,
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
         const int64_t m0 = row_begin + m_tile * TM;
         const int64_t n0 = n_tile * TN;
@@ -138,20 +152,26 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
           const T* b_col[TN];
           for (int j = 0; j < TN; ++j)
             b_col[j] = b + g * b_stride_e + (n0 + j < N ? n0 + j : N - 1) * b_stride_n;
-          const int64_t k_full = K - K % w.lanes;
-          for (int64_t k = w.lane; k < k_full; k += w.lanes) {
-            float av[TM];
-            for (int i = 0; i < TM; ++i) av[i] = to_float(a_row[i][k]);
-            for (int j = 0; j < TN; ++j) {
-              const float bv = to_float(b_col[j][k]);
-              for (int i = 0; i < TM; ++i) acc[i][j] = sycl::fma(av[i], bv, acc[i][j]);
+          // Uniform trip count (every lane runs the same iterations), so the vectorizer emits
+          // plain unmasked vector loads; the K remainder is one masked step.
+          const int64_t k_full = K - K % kLanes;
+          for (int64_t k0 = 0; k0 < k_full; k0 += kLanes) {
+            const int64_t k = k0 + w.lane;
+            float bv[TN];
+            for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k]);
+            for (int i = 0; i < TM; ++i) {
+              const float av = to_float(a_row[i][k]);
+              for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
             }
           }
-          const int64_t k = k_full + w.lane;
-          if (k < K) {
-            for (int j = 0; j < TN; ++j) {
-              const float bv = to_float(b_col[j][k]);
-              for (int i = 0; i < TM; ++i) acc[i][j] = sycl::fma(to_float(a_row[i][k]), bv, acc[i][j]);
+          if (k_full < K) {
+            const int64_t k = k_full + w.lane < K ? k_full + w.lane : K - 1;
+            const float keep = k_full + w.lane < K ? 1.0f : 0.0f;
+            float bv[TN];
+            for (int j = 0; j < TN; ++j) bv[j] = keep * to_float(b_col[j][k]);
+            for (int i = 0; i < TM; ++i) {
+              const float av = to_float(a_row[i][k]);
+              for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
             }
           }
           for (int i = 0; i < TM; ++i)
@@ -163,10 +183,10 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
               for (int i = 0; i < TM; ++i) acc[i][j] += bj;
             }
         }
-        // Every lane holds every sum now; lane (i * TN + j) % lanes stores element (i, j).
+        // Every lane holds every sum now; lane (i * TN + j) % 16 stores element (i, j).
         for (int i = 0; i < TM; ++i)
           for (int j = 0; j < TN; ++j)
-            if ((i * TN + j) % w.lanes == w.lane && m_tile * TM + i < rows && n0 + j < N)
+            if ((i * TN + j) % kLanes == w.lane && m_tile * TM + i < rows && n0 + j < N)
               out[(m0 + i) * out_row_stride + n0 + j] = FromFloat<TOut>::convert(acc[i][j]);
       });
 }
@@ -183,14 +203,14 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       int64_t out_rows, const void* group_offsets, int offsets_is64,
                       int64_t num_groups, int64_t K, int64_t N) {
   const Worker w = this_worker();
-  const int64_t tile_n = static_cast<int64_t>(w.lanes) * TN;
+  const int64_t tile_n = int64_t(kLanes) * TN;
   const int64_t tiles_n = (N + tile_n - 1) / tile_n;
   for_each_owned_tile(
-      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, tiles_n,
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
         const int64_t m0 = row_begin + m_tile * TM;
         int64_t col[TN];
-        for (int j = 0; j < TN; ++j) col[j] = n_tile * tile_n + w.lane + static_cast<int64_t>(w.lanes) * j;
+        for (int j = 0; j < TN; ++j) col[j] = n_tile * tile_n + w.lane + int64_t(kLanes) * j;
         float acc[TM][TN];
         for (int i = 0; i < TM; ++i)
           for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
@@ -200,14 +220,28 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
             const int64_t m = m0 + (i < rows - m_tile * TM ? i : rows - 1 - m_tile * TM);
             a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
           }
-          const T* b_col[TN];
-          for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + (col[j] < N ? col[j] : N - 1);
-          for (int64_t k = 0; k < K; ++k) {
-            float bv[TN];
-            for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k * b_stride_k]);
-            for (int i = 0; i < TM; ++i) {
-              const float av = to_float(a_row[i][k]);
-              for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+          const T* b_g = b + g * b_stride_e;
+          if (n_tile * tile_n + tile_n <= N) {  // full tile: unclamped, consecutive addresses
+            const T* b_lane = b_g + n_tile * tile_n + w.lane;
+            for (int64_t k = 0; k < K; ++k) {
+              const T* b_k = b_lane + k * b_stride_k;
+              float bv[TN];
+              for (int j = 0; j < TN; ++j) bv[j] = to_float(b_k[kLanes * j]);
+              for (int i = 0; i < TM; ++i) {
+                const float av = to_float(a_row[i][k]);
+                for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+              }
+            }
+          } else {
+            const T* b_col[TN];
+            for (int j = 0; j < TN; ++j) b_col[j] = b_g + (col[j] < N ? col[j] : N - 1);
+            for (int64_t k = 0; k < K; ++k) {
+              float bv[TN];
+              for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k * b_stride_k]);
+              for (int i = 0; i < TM; ++i) {
+                const float av = to_float(a_row[i][k]);
+                for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+              }
             }
           }
           if (bias != nullptr)
