@@ -1,0 +1,243 @@
+"""python -m moe_xpu.bench gemm: moe_gemm beside its peers, in one process, on the same inputs.
+
+For every case and dtype it prints the median time of moe_xpu.moe_gemm, F.grouped_mm and a
+per-expert loop of torch.mm, their GFLOP/s, moe_xpu's speed-up over each peer, and the share of
+the roofline each reaches. The roofline is measured in the same run: the compute ceiling is the
+GFLOP/s of a large float32 torch.mm, the memory ceiling the read bandwidth of a reduction over a
+tensor far larger than the caches; a case's roofline time is the larger of its FLOPs over the
+compute ceiling and the bytes it must read (the touched experts' weights plus the activations)
+over the memory ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import moe_xpu
+from moe_xpu import _runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    name: str
+    tokens: int
+    top_k: int
+    experts: int
+    K: int
+    N: int
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+
+GEMM_CASES = [
+    GemmCase("decode", 4, 8, 128, 2048, 1536),
+    GemmCase("prefill", 256, 8, 128, 2048, 1536),
+    GemmCase("64tok-E64", 64, 8, 64, 2048, 2048),
+    GemmCase("16tok-E8", 16, 2, 8, 4096, 4096),
+]
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@dataclasses.dataclass
+class Ceilings:
+    gflops: float  # large float32 torch.mm
+    read_gbs: float  # reduction over a tensor far larger than the caches
+
+
+def _last_level_cache_bytes() -> int:
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    if os.path.isdir(base):
+        for entry in os.listdir(base):
+            try:
+                with open(os.path.join(base, entry, "size")) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            digits = text[:-1] if text[-1:] in "KMG" else text
+            if digits.isdigit():
+                best = max(best, int(digits) * scale)
+    return best
+
+
+def measure_ceilings(repeats: int) -> Ceilings:
+    n = 4096
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    t = median_time(lambda: torch.mm(x, y), repeats)
+    gflops = 2 * n**3 / t / 1e9
+    # Four times the last-level cache (at least 1 GiB), so the reduction streams from memory.
+    nbytes = max(1 << 30, 4 * _last_level_cache_bytes())
+    big = torch.ones(nbytes // 4)
+    t = median_time(lambda: big.sum(), repeats)
+    read_gbs = nbytes / t / 1e9
+    del big
+    return Ceilings(gflops, read_gbs)
+
+
+def routed_offsets(case: GemmCase, generator: torch.Generator) -> torch.Tensor:
+    """Tokens routed top-k by random logits: cumulative rows per expert (int32)."""
+    logits = torch.randn(case.tokens, case.experts, generator=generator)
+    ids = logits.topk(case.top_k, dim=1).indices.flatten()
+    return torch.bincount(ids, minlength=case.experts).cumsum(0).to(torch.int32)
+
+
+def per_expert_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(a[start:end], b[g], out=out[start:end])
+        start = end
+    return out
+
+
+@dataclasses.dataclass
+class Row:
+    case: str
+    dtype: str
+    impl: str
+    seconds: float
+    gflops: float
+    roofline_pct: float
+    speedup: float  # moe_xpu time advantage: peer time / moe_xpu time (1.0 for moe_xpu itself)
+
+
+def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str) -> list[Row]:
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(0)
+    for case in cases:
+        offsets = routed_offsets(case, gen)
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        touched = int((counts > 0).sum())
+        for dtype in dtypes:
+            a = torch.randn(case.rows, case.K, generator=gen).to(dtype)
+            if layout == "linear":  # nn.Linear weights [E, N, K], seen as [E, K, N]
+                b = torch.randn(case.experts, case.N, case.K, generator=gen).to(dtype).transpose(1, 2)
+            else:
+                b = torch.randn(case.experts, case.K, case.N, generator=gen).to(dtype)
+            esize = a.element_size()
+            flops = 2 * case.rows * case.K * case.N
+            bytes_read = touched * case.K * case.N * esize + case.rows * case.K * esize
+            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            impls = {
+                "moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
+                "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
+                "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
+            }
+            times = {name: median_time(fn, repeats) for name, fn in impls.items()}
+            for name, t in times.items():
+                rows.append(
+                    Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
+                        100 * roofline_s / t, t / times["moe_xpu"])
+                )
+    return rows
+
+
+def print_table(rows: list[Row], title: str) -> None:
+    print(title)
+    header = f"{'case':<11} {'dtype':<9} {'impl':<14} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speed = "" if r.impl == "moe_xpu" else f"{r.speedup:.2f}x"
+        print(f"{r.case:<11} {r.dtype:<9} {r.impl:<14} {r.seconds * 1e3:>10.2f} {r.gflops:>8.1f} "
+              f"{r.roofline_pct:>8.0f}% {speed:>17}")
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    groups = list(dict.fromkeys((r.case, r.dtype) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(groups)), 4.8))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        values = [next(r.roofline_pct for r in rows if (r.case, r.dtype) == g and r.impl == impl) for g in groups]
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(groups))]
+        bars = ax.bar(xs, values, width, label=impl)
+        for bar, v in zip(bars, values):
+            ax.annotate(f"{v:.0f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+    ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{c}\n{d}" for c, d in groups], fontsize=8)
+    ax.set_ylabel("% of measured roofline (higher is better)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    backend = _runtime.cpu_backend()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, CPU backend {backend}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_xpu.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm"])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--cases", default=",".join(c.name for c in GEMM_CASES))
+    parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
+                        help="weights as nn.Linear [E, N, K] transposed (default) or contiguous [E, K, N]")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
+    args = parser.parse_args(argv)
+
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    wanted = args.cases.split(",")
+    cases = [c for c in GEMM_CASES if c.name in wanted]
+    print(f"machine: {machine_line()}")
+    ceilings = measure_ceilings(args.repeats)
+    print(f"ceilings: compute {ceilings.gflops:.0f} GFLOP/s (float32 torch.mm 4096^3), "
+          f"memory read {ceilings.read_gbs:.1f} GB/s (sum over a tensor 4x the last-level cache)")
+    for dtype in dtypes:  # build (or load) kernels outside the timed region
+        moe_xpu.moe_gemm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype),
+                         torch.ones(1, dtype=torch.int32))
+    rows = bench_gemm(cases, dtypes, ceilings, args.repeats, args.layout)
+    title = f"moe_gemm vs peers, weights {args.layout}, median of {args.repeats}"
+    print_table(rows, title)
+    if args.plot:
+        plot(rows, args.plot, f"{title}\n{machine_line()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
