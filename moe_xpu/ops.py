@@ -153,7 +153,7 @@ def gemm_args(
     out: torch.Tensor,
 ):
     """Fills the launcher's argument struct. Inputs must already be in a kernel-ready layout
-    (see ``_kernel_ready``); the caller keeps the tensors alive until the launch completes."""
+    (see ``kernel_ready``); the caller keeps the tensors alive until the launch completes."""
     C = _runtime.sycl_module()
     E, K, N = b.shape
     args = C.GemmArgs()
@@ -186,7 +186,7 @@ def gemm_args(
     return args
 
 
-def _kernel_ready(a, b, group_offsets, gather_index, bias):
+def kernel_ready(a, b, group_offsets, gather_index, bias):
     """Copies only what the kernel cannot read in place: a needs unit stride along K, b needs
     unit stride along K (nn.Linear weights transposed) or along N (a contiguous [E, K, N])."""
     if a.shape[1] > 1 and a.stride(1) != 1:
@@ -203,7 +203,7 @@ def _kernel_ready(a, b, group_offsets, gather_index, bias):
 
 
 def _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype):
-    a, b, group_offsets, gather_index, bias = _kernel_ready(a, b, group_offsets, gather_index, bias)
+    a, b, group_offsets, gather_index, bias = kernel_ready(a, b, group_offsets, gather_index, bias)
     rows = a.shape[0] if gather_index is None else gather_index.shape[0]
     out = torch.empty(rows, b.shape[2], dtype=out_dtype, device=a.device)
     _runtime.sycl_module().moe_gemm(gemm_args(a, b, group_offsets, gather_index, bias, out))

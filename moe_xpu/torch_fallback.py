@@ -27,3 +27,40 @@ def moe_gemm(
             out[start:end] = prod.to(out_dtype)
         start = end
     return out
+
+
+ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-expert loop in float32; the k contributions of a token are summed in slot order."""
+    T, k = topk_ids.shape
+    I = gate_up_proj.shape[1] // 2
+    act = ACTIVATIONS[activation]
+    x = hidden_states.float()
+    contrib = torch.zeros(T, k, hidden_states.shape[1], dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        if e < 0:  # the sentinel: an expert that lives elsewhere
+            continue
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        gate_up = x[tokens] @ gate_up_proj[e].float().t()
+        if gate_up_bias is not None:
+            gate_up = gate_up + gate_up_bias[e].float()
+        h = (act(gate_up[:, :I]) * gate_up[:, I:]).to(hidden_states.dtype).float()
+        y = h @ down_proj[e].float().t()
+        if down_bias is not None:
+            y = y + down_bias[e].float()
+        contrib[tokens, slots] = y * topk_weights[tokens, slots, None].float()
+    return contrib.sum(dim=1).to(hidden_states.dtype)

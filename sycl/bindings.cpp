@@ -41,6 +41,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("num_groups", &GemmArgs::num_groups)
       .def_readwrite("K", &GemmArgs::K)
       .def_readwrite("N", &GemmArgs::N)
+      .def_readwrite("activation", &GemmArgs::activation)
+      .def_readwrite("up_offset", &GemmArgs::up_offset)
+      .def_readwrite("scatter_index", &GemmArgs::scatter_index)
+      .def_readwrite("scatter_is_int64", &GemmArgs::scatter_is_int64)
+      .def_readwrite("row_weight", &GemmArgs::row_weight)
       .def_readwrite("tile_m", &GemmArgs::tile_m)
       .def_readwrite("tile_n", &GemmArgs::tile_n)
       .def_readwrite("num_workers", &GemmArgs::num_workers);

@@ -60,8 +60,10 @@ struct TileShape {
   int tile_m, tile_n;
 };
 constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
-constexpr TileShape kKLanesTiles[] = {{1, 8}, {4, 4}, {8, 3}, {2, 8}, {4, 6}, {6, 4}, {1, 16}, {2, 12}};
-constexpr TileShape kNLanesTiles[] = {{1, 4}, {4, 3}, {8, 3}, {16, 1}, {12, 2}};
+// Index 0..2: decode / few rows / many rows per group. k_lanes index 3 serves the gated epilogue
+// (which needs an even TN: gate and up columns in pairs) for many rows per group.
+constexpr TileShape kKLanesTiles[] = {{1, 8}, {4, 4}, {8, 3}, {6, 4}};
+constexpr TileShape kNLanesTiles[] = {{1, 4}, {4, 3}, {8, 3}};
 
 std::string kernel_name(bool k_lanes, DType t, DType out, TileShape s) {
   std::ostringstream name;
@@ -155,7 +157,11 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   // Few rows per expert (decode): one row per tile so no work is spent on padding rows;
   // many rows (prefill): taller tiles reuse each loaded B value across more rows.
   const TileShape* shapes = k_lanes ? kKLanesTiles : kNLanesTiles;
-  TileShape shape = rows_per_group <= 2.0 ? shapes[0] : (rows_per_group <= 6.0 ? shapes[1] : shapes[2]);
+  const bool gated = args.activation != 0;
+  if (gated && !k_lanes)
+    throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
+  const std::size_t many_rows = gated ? 3 : 2;
+  TileShape shape = rows_per_group <= 2.0 ? shapes[0] : (rows_per_group <= 6.0 ? shapes[1] : shapes[many_rows]);
   if (args.tile_m != 0 || args.tile_n != 0) {
     bool found = false;
     const std::size_t count = k_lanes ? std::size(kKLanesTiles) : std::size(kNLanesTiles);
@@ -165,6 +171,8 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
         found = true;
       }
     if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
+    if (gated && shape.tile_n % 2 != 0)
+      throw std::invalid_argument("moe_xpu: the gated epilogue needs a tile shape with even tile_n");
   }
 
   const sycl::device dev = q.get_device();
@@ -173,7 +181,7 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   LaunchPlan plan;
   plan.kernel_name = kernel_name(k_lanes, args.dtype, args.out_dtype, shape);
   plan.tile_m = shape.tile_m;
-  plan.tile_n = k_lanes ? shape.tile_n : shape.tile_n * int(lanes);
+  plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, a few per core so the runtime's thread pool can balance;
   // GPU: 4 sub-groups per work-group and enough of them to fill every Xe core's threads.
   const std::int64_t subgroups_per_wg = is_cpu(q) ? 1 : 4;
@@ -217,7 +225,9 @@ void moe_gemm(const GemmArgs& args) {
                int(args.gather_is_int64), ptr(args.b), args.b_stride_e, b_stride_other,
                ptr(args.bias), args.bias_stride_e, ptr(args.out), args.out_row_stride,
                args.out_rows, ptr(args.group_offsets), int(args.offsets_are_int64),
-               args.num_groups, args.K, args.N);
+               args.num_groups, args.K, args.N, args.activation, args.up_offset,
+               ptr(args.scatter_index), int(args.scatter_is_int64),
+               ptr(args.row_weight));
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
   });
   if (args.queue == 0) done.wait_and_throw();

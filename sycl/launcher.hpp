@@ -33,6 +33,13 @@ struct GemmArgs {
   bool offsets_are_int64 = false;
   std::int64_t num_groups = 0;
   std::int64_t K = 0, N = 0;
+  // Epilogue (fused MoE). activation: 0 none, 1 silu, 2 gelu_tanh; when set, output column n is
+  // act(B column n) * (B column n + up_offset) and N is the output width. K-contiguous B only.
+  int activation = 0;
+  std::int64_t up_offset = 0;
+  std::uintptr_t scatter_index = 0;  // 0 = none: output row m is written to row scatter_index[m]
+  bool scatter_is_int64 = false;
+  std::uintptr_t row_weight = 0;  // float32 [out_rows], indexed by destination row; 0 = none
   // Overrides for tuning and tests; 0 = chosen by the heuristic.
   int tile_m = 0;
   int tile_n = 0;

@@ -53,3 +53,27 @@ def assert_matches_reference(out, a, b, group_offsets, gather_index=None, bias=N
     tol = 2 * naive_err + torch.finfo(expected_dtype).eps * scale
     assert err <= tol, f"max error {err:.3g} exceeds {tol:.3g} (naive {naive_err:.3g})"
     assert torch.isfinite(out).all()
+
+
+def fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
+                        gate_up_bias=None, down_bias=None):
+    """Hugging Face expert semantics in float64, token by token and slot by slot."""
+    act = {"silu": torch.nn.functional.silu,
+           "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[activation]
+    T, H = x.shape
+    I = gate_up_proj.shape[1] // 2
+    out = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if e < 0:
+                continue
+            gu = gate_up_proj[e].double() @ x[t].double()
+            if gate_up_bias is not None:
+                gu = gu + gate_up_bias[e].double()
+            h = act(gu[:I]) * gu[I:]
+            y = down_proj[e].double() @ h
+            if down_bias is not None:
+                y = y + down_bias[e].double()
+            out[t] += float(topk_weights[t, j]) * y
+    return out

@@ -146,7 +146,7 @@ def test_weights_read_in_place(layout):
     """Both weight layouts go to the kernel as they are: no copy of b is made."""
     a = torch.randn(10, 16)
     b = make_b(3, 16, 32, torch.float32, layout)
-    ready = ops._kernel_ready(a, b, offsets([3, 3, 4]), None, None)
+    ready = ops.kernel_ready(a, b, offsets([3, 3, 4]), None, None)
     assert ready[1].data_ptr() == b.data_ptr() and ready[1].stride() == b.stride()
 
 
@@ -180,7 +180,7 @@ def test_forced_tiles_and_worker_counts_agree(layout):
     b = make_b(E, K, N, torch.float32, layout)
     offs = offsets([9, 0, 20, 1, 11])
     gi = torch.randint(0, T, (41,))
-    a_, b_, offs_, gi_, _ = ops._kernel_ready(a, b, offs, gi, None)
+    a_, b_, offs_, gi_, _ = ops.kernel_ready(a, b, offs, gi, None)
     first = None
     shapes = C.tile_shapes(layout == "linear")
     for (tile_m, tile_n), workers in itertools.product(shapes, [1, 3, 7, 1000]):

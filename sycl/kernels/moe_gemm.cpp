@@ -122,6 +122,29 @@ inline int64_t source_row(const void* gather_index, int gather_is64, int64_t m, 
   return clamp64(load_index(gather_index, gather_is64, m), 0, a_rows - 1);
 }
 
+// What happens to a finished tile element before it is stored (the fused-MoE epilogues).
+enum Activation : int { kNone = 0, kSilu = 1, kGeluTanh = 2 };
+
+inline float activate(int activation, float x) {
+  if (activation == kSilu) return x / (1.0f + sycl::exp(-x));
+  // gelu with the tanh approximation (torch's approximate="tanh")
+  const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.0f + sycl::tanh(inner));
+}
+
+// Output row m goes to row scatter_index[m] (when given), scaled by row_weight[that row].
+struct RowTarget {
+  int64_t row;
+  float weight;
+};
+
+inline RowTarget row_target(const void* scatter_index, int scatter_is64, const float* row_weight,
+                            int64_t m, int64_t out_rows) {
+  const int64_t row =
+      scatter_index == nullptr ? m : clamp64(load_index(scatter_index, scatter_is64, m), 0, out_rows - 1);
+  return RowTarget{row, row_weight == nullptr ? 1.0f : row_weight[row]};
+}
+
 // Variant for B stored with K contiguous (b_stride_k == 1), e.g. nn.Linear weights [E, N, K]
 // seen through .transpose(1, 2). The 16 lanes split K; each lane keeps TM x TN partial sums,
 // reduced across the sub-group once per tile. Both A and B are read as contiguous vectors.
@@ -132,14 +155,24 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_n,
                       const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                       int64_t out_rows, const void* group_offsets, int offsets_is64,
-                      int64_t num_groups, int64_t K, int64_t N) {
+                      int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
+                      const void* scatter_index, int scatter_is64, const float* row_weight) {
   const Worker w = this_worker();
-  const int64_t tiles_n = (N + TN - 1) / TN;
+  // Gated activation: output column n is act(B column n) * (B column n + up_offset), so a tile's
+  // TN accumulator columns are TN/2 gate columns followed by the matching TN/2 up columns.
+  const bool gated = activation != kNone;
+  const int out_cols = gated ? TN / 2 : TN;
+  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   for_each_owned_tile(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
         const int64_t m0 = row_begin + m_tile * TM;
-        const int64_t n0 = n_tile * TN;
+        const int64_t n0 = n_tile * out_cols;
+        int64_t b_n[TN];  // the B column behind accumulator column j
+        for (int j = 0; j < TN; ++j) {
+          const int64_t n = n0 + (gated ? j % out_cols : j);
+          b_n[j] = (n < N ? n : N - 1) + (gated && j >= out_cols ? up_offset : 0);
+        }
         float acc[TM][TN];
         for (int i = 0; i < TM; ++i)
           for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
@@ -150,8 +183,7 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
             a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
           }
           const T* b_col[TN];
-          for (int j = 0; j < TN; ++j)
-            b_col[j] = b + g * b_stride_e + (n0 + j < N ? n0 + j : N - 1) * b_stride_n;
+          for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + b_n[j] * b_stride_n;
           // Uniform trip count (every lane runs the same iterations), so the vectorizer emits
           // plain unmasked vector loads; the K remainder is one masked step.
           const int64_t k_full = K - K % kLanes;
@@ -179,15 +211,18 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
               acc[i][j] = sycl::reduce_over_group(w.sg, acc[i][j], sycl::plus<float>());
           if (bias != nullptr)
             for (int j = 0; j < TN; ++j) {
-              const float bj = to_float(bias[g * bias_stride_e + (n0 + j < N ? n0 + j : N - 1)]);
+              const float bj = to_float(bias[g * bias_stride_e + b_n[j]]);
               for (int i = 0; i < TM; ++i) acc[i][j] += bj;
             }
         }
-        // Every lane holds every sum now; lane (i * TN + j) % 16 stores element (i, j).
+        // Every lane holds every sum now; lane (i * out_cols + j) % 16 stores element (i, j).
         for (int i = 0; i < TM; ++i)
-          for (int j = 0; j < TN; ++j)
-            if ((i * TN + j) % kLanes == w.lane && m_tile * TM + i < rows && n0 + j < N)
-              out[(m0 + i) * out_row_stride + n0 + j] = FromFloat<TOut>::convert(acc[i][j]);
+          for (int j = 0; j < out_cols; ++j)
+            if ((i * out_cols + j) % kLanes == w.lane && m_tile * TM + i < rows && n0 + j < N) {
+              const float v = gated ? activate(activation, acc[i][j]) * acc[i][j + out_cols] : acc[i][j];
+              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+              out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(v * t.weight);
+            }
       });
 }
 
@@ -201,7 +236,9 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_k,
                       const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                       int64_t out_rows, const void* group_offsets, int offsets_is64,
-                      int64_t num_groups, int64_t K, int64_t N) {
+                      int64_t num_groups, int64_t K, int64_t N, int /*activation: k_lanes only*/,
+                      int64_t /*up_offset*/, const void* scatter_index, int scatter_is64,
+                      const float* row_weight) {
   const Worker w = this_worker();
   const int64_t tile_n = int64_t(kLanes) * TN;
   const int64_t tiles_n = (N + tile_n - 1) / tile_n;
@@ -252,8 +289,10 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
         }
         for (int i = 0; i < TM; ++i)
           for (int j = 0; j < TN; ++j)
-            if (m_tile * TM + i < rows && col[j] < N)
-              out[(m0 + i) * out_row_stride + col[j]] = FromFloat<TOut>::convert(acc[i][j]);
+            if (m_tile * TM + i < rows && col[j] < N) {
+              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+              out[t.row * out_row_stride + col[j]] = FromFloat<TOut>::convert(acc[i][j] * t.weight);
+            }
       });
 }
 
@@ -264,7 +303,8 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
 // "moe_xpu::moe_gemm_k_lanes<float, float, 4, 4>".
 #define MOE_XPU_KERNEL_PARAMS(T, TOut)                                                         \
   const T*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
-      TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t
+      TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t,         \
+      const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(T, TOut, TM, TN) \
   template void moe_xpu::moe_gemm_k_lanes<T, TOut, TM, TN>(MOE_XPU_KERNEL_PARAMS(T, TOut));
 #define MOE_XPU_INSTANTIATE_N_LANES(T, TOut, TM, TN) \

@@ -1,0 +1,230 @@
+"""The fused MoE expert block: device-side token sorting and ``fused_moe``, as torch ops.
+
+fused_moe runs two grouped GEMM launches and never copies tokens into expert order:
+  1. gate_up: token rows are read through the index table (gather in the kernel), and the gated
+     activation act(gate) * up is applied in the epilogue, so only the [T*k, I] result is written;
+  2. down: each row is multiplied by its top-k weight in the epilogue and written to its (token,
+     slot) position; the k contributions of a token are then summed in slot order (a fixed order,
+     no floating-point atomics: the same inputs give bitwise the same output).
+No step reads routing data on the host, so the XPU path never synchronises.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from moe_xpu import _runtime, torch_fallback
+from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args
+
+#: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
+#: skipped and contributes nothing. Any other id outside [0, num_experts) is an error.
+SENTINEL_EXPERT = -1
+
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # the kernel's epilogue codes
+
+
+class SortedTokens(NamedTuple):
+    """The (token, slot) pairs of ``topk_ids`` grouped by expert (stable: token order kept)."""
+
+    gather_index: torch.Tensor  # int64 [T*k]: token row of each expert-ordered pair
+    group_offsets: torch.Tensor  # int32 [E]: cumulative end offsets; sentinel pairs sit past the end
+    scatter_index: torch.Tensor  # int64 [T*k]: flat position token * k + slot of each pair
+
+
+def _fail(message: str) -> None:
+    raise MoeXpuInputError(message)
+
+
+def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        _fail(f"topk_ids must be a 2-D [T, k] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
+    if topk_ids.dtype not in INDEX_DTYPES:
+        _fail(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if isinstance(num_experts, torch.SymInt):  # symbolic under torch.compile's dynamic shapes
+        return
+    if not isinstance(num_experts, int) or num_experts < 1:
+        _fail(f"num_experts must be a positive int, got {num_experts!r}")
+
+
+def _check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
+    bad = (topk_ids != SENTINEL_EXPERT) & ((topk_ids < 0) | (topk_ids >= num_experts))
+    if topk_ids.device.type == "cpu":  # free to read on the host
+        if bool(bad.any()):
+            value = int(topk_ids[bad][0])
+            _fail(f"topk_ids values must lie in [0, {num_experts}) or be {SENTINEL_EXPERT} "
+                  f"(expert elsewhere), found {value}")
+    else:  # checked on the device, no synchronisation
+        torch._assert_async(~bad.any(), "moe_xpu: topk_ids outside [0, num_experts)")
+
+
+@torch.library.custom_op("moe_xpu::sort_tokens", mutates_args=())
+def _sort_tokens_op(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_topk_ids(topk_ids, num_experts)
+    _check_topk_id_values(topk_ids, num_experts)
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    keys = torch.where(flat == SENTINEL_EXPERT, num_experts, flat)  # sentinels sort last
+    order = torch.argsort(keys, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    group_offsets = counts[:num_experts].cumsum(0).to(torch.int32)
+    return order // k, group_offsets, order
+
+
+@_sort_tokens_op.register_fake
+def _sort_tokens_fake(topk_ids, num_experts):
+    _check_topk_ids(topk_ids, num_experts)
+    pairs = topk_ids.numel()
+    return (topk_ids.new_empty(pairs, dtype=torch.int64),
+            topk_ids.new_empty(num_experts, dtype=torch.int32),
+            topk_ids.new_empty(pairs, dtype=torch.int64))
+
+
+def sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> SortedTokens:
+    """Groups the (token, slot) pairs of ``topk_ids`` [T, k] by expert, on the device, with no
+    host synchronisation. Returns ``SortedTokens(gather_index, group_offsets, scatter_index)``:
+    ``moe_gemm(hidden, w, group_offsets, gather_index=gather_index)`` computes every pair's expert
+    GEMM, and row m of its result belongs at flat position ``scatter_index[m]`` of [T, k].
+    Pairs with the sentinel id -1 (expert elsewhere) are sorted past ``group_offsets[-1]``."""
+    return SortedTokens(*_sort_tokens_op(topk_ids, num_experts))
+
+
+def check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                             activation, gate_up_bias, down_bias) -> None:
+    for name, t in (("hidden_states", hidden_states), ("gate_up_proj", gate_up_proj),
+                    ("down_proj", down_proj), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden_states.dim() != 2:
+        _fail(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        _fail(f"hidden_states must be float32, bfloat16 or float16, got {hidden_states.dtype}")
+    T, H = hidden_states.shape
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != H or gate_up_proj.shape[1] % 2:
+        _fail(f"gate_up_proj must be [E, 2I, H] with H = {H}, got shape {tuple(gate_up_proj.shape)}")
+    E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    if tuple(down_proj.shape) != (E, H, I):
+        _fail(f"down_proj must be [E, H, I] = [{E}, {H}, {I}], got shape {tuple(down_proj.shape)}")
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if t.dtype != hidden_states.dtype:
+            _fail(f"{name} must have hidden_states' dtype {hidden_states.dtype}, got {t.dtype}")
+    _check_topk_ids(topk_ids, E)
+    if topk_ids.shape[0] != T:
+        _fail(f"topk_ids must have T = {T} rows, got shape {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        _fail(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    if not topk_weights.is_floating_point():
+        _fail(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+    if activation not in ACTIVATIONS:
+        _fail(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (E, 2 * I)), ("down_bias", down_bias, (E, H))):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != shape:
+            _fail(f"{name} must have shape {list(shape)}, got {tuple(bias.shape)}")
+        if bias.dtype != hidden_states.dtype:
+            _fail(f"{name} must have hidden_states' dtype {hidden_states.dtype}, got {bias.dtype}")
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj), ("topk_weights", topk_weights),
+                    ("topk_ids", topk_ids), ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is not None and t.device != hidden_states.device:
+            _fail(f"{name} is on {t.device} but hidden_states is on {hidden_states.device}")
+
+
+def _k_contiguous(w: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] weights viewed as [E, K, N] with K contiguous (copied only if K is strided)."""
+    view = w.transpose(1, 2)
+    return view if view.shape[1] <= 1 or view.stride(1) == 1 else w.contiguous().transpose(1, 2)
+
+
+def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
+                    gate_up_bias, down_bias):
+    C = _runtime.sycl_module()
+    T, H = hidden_states.shape
+    E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    k = topk_ids.shape[1]
+    x = hidden_states if H <= 1 or hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    gather_index, group_offsets, scatter_index = _sort_tokens_op(topk_ids, E)
+    gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
+    down_bias = None if down_bias is None else down_bias.contiguous()
+
+    # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
+    # Locals keep every tensor the kernels read alive until the launches are done.
+    w_gate_up, w_down = _k_contiguous(gate_up_proj), _k_contiguous(down_proj)
+    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
+    args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
+    C.moe_gemm(args)
+
+    # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    per_slot = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
+    args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
+    args.row_weight = weights.data_ptr()
+    C.moe_gemm(args)
+    return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+@torch.library.custom_op("moe_xpu::fused_moe", mutates_args=())
+def _fused_moe_op(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    raise NotImplementedError(f"moe_xpu.fused_moe has no implementation for device {hidden_states.device}")
+
+
+def _fused_moe_impl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
+                    gate_up_bias=None, down_bias=None):
+    args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
+    check_fused_moe_metadata(*args)
+    _check_topk_id_values(topk_ids, gate_up_proj.shape[0])
+    if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
+        return torch_fallback.fused_moe(*args)
+    if _runtime.sycl_module() is None:
+        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
+    return _fused_moe_sycl(*args)
+
+
+_fused_moe_op.register_kernel("cpu")(_fused_moe_impl)
+_fused_moe_op.register_kernel("xpu")(_fused_moe_impl)
+
+
+@_fused_moe_op.register_fake
+def _fused_moe_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
+                    gate_up_bias=None, down_bias=None):
+    check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                             activation, gate_up_bias, down_bias)
+    return torch.empty_like(hidden_states)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A whole MoE expert block, Hugging Face transformers' expert semantics.
+
+    hidden_states [T, H]; gate_up_proj [E, 2I, H] (gate rows first); down_proj [E, H, I];
+    topk_weights, topk_ids [T, k]. For every token t and slot j with e = topk_ids[t, j]:
+    ``y[t] += topk_weights[t, j] * down_proj[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))``
+    (+ biases when given). activation: "silu" or "gelu_tanh" (both gated). Output [T, H] in
+    hidden_states' dtype. Ids equal to -1 (expert elsewhere) are skipped.
+    """
+    check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                             activation, gate_up_bias, down_bias)
+    return _fused_moe_op(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                         activation, gate_up_bias, down_bias)
