@@ -8,7 +8,7 @@ STAMP := $(VENV)/.moe_xpu-installed
 export SYCL_CACHE_PERSISTENT ?= 1
 export SYCL_CACHE_DIR ?= $(CURDIR)/.cache/sycl
 
-.PHONY: setup demo test bench info clean
+.PHONY: setup demo demo-gemm test bench info clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ $(STAMP): $(VENV)/.deps setup.py CMakeLists.txt $(wildcard sycl/*.cpp sycl/*.hpp
 	touch $@
 
 demo: setup
+	$(PY) examples/hf_generate.py
+
+demo-gemm: setup
 	$(PY) examples/moe_gemm_demo.py
 
 test: setup
@@ -31,6 +34,7 @@ test: setup
 
 bench: setup
 	$(PY) -m moe_xpu.bench gemm --plot bench_out/gemm.png
+	$(PY) -m moe_xpu.bench moe --plot bench_out/moe.png
 
 info: setup
 	$(PY) -m moe_xpu info

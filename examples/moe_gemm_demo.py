@@ -14,16 +14,7 @@ import torch.nn.functional as F
 
 import moe_xpu
 from moe_xpu import _runtime
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from moe_xpu.bench import median_time
 
 
 def main() -> None:
@@ -73,9 +64,9 @@ def main() -> None:
         raise SystemExit(1)
 
     gathered = x[gather_index]
-    t_ours = median_seconds(lambda: moe_xpu.moe_gemm(x, b, group_offsets, gather_index=gather_index), args.repeats)
-    t_peer = median_seconds(lambda: F.grouped_mm(x[gather_index], b, offs=group_offsets), args.repeats)
-    t_peer_pre = median_seconds(lambda: F.grouped_mm(gathered, b, offs=group_offsets), args.repeats)
+    t_ours = median_time(lambda: moe_xpu.moe_gemm(x, b, group_offsets, gather_index=gather_index), args.repeats)
+    t_peer = median_time(lambda: F.grouped_mm(x[gather_index], b, offs=group_offsets), args.repeats)
+    t_peer_pre = median_time(lambda: F.grouped_mm(gathered, b, offs=group_offsets), args.repeats)
     flops = 2 * T * k * K * N
     print(f"moe_gemm (gather fused)          {t_ours * 1e3:8.2f} ms  {flops / t_ours / 1e9:7.1f} GFLOP/s")
     print(f"grouped_mm (gather copy + GEMM)  {t_peer * 1e3:8.2f} ms  {flops / t_peer / 1e9:7.1f} GFLOP/s")

@@ -1,4 +1,9 @@
-"""python -m moe_xpu.bench gemm: moe_gemm beside its peers, in one process, on the same inputs.
+"""python -m moe_xpu.bench {gemm,moe}: moe_xpu beside its peers, in one process, on the same inputs.
+
+gemm: moe_gemm beside F.grouped_mm and a per-expert loop of torch.mm.
+moe:  fused_moe beside transformers' eager and grouped_mm experts backends (a MixtralExperts
+      module) and an unfused moe_xpu pipeline (copy tokens into expert order, moe_gemm,
+      activation, moe_gemm, weighted sum).
 
 For every case and dtype it prints the median time of moe_xpu.moe_gemm, F.grouped_mm and a
 per-expert loop of torch.mm, their GFLOP/s, moe_xpu's speed-up over each peer, and the share of
@@ -156,14 +161,91 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str) -> 
     return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeCase:
+    name: str
+    tokens: int
+    experts: int
+    top_k: int
+    H: int
+    I: int
+
+
+MOE_CASES = [
+    MoeCase("decode", 4, 128, 8, 2048, 768),
+    MoeCase("prefill", 256, 128, 8, 2048, 768),
+    MoeCase("64tok-E64", 64, 64, 8, 2048, 1024),
+    MoeCase("16tok-E8", 16, 8, 2, 4096, 4096),
+]
+
+
+def unfused_moe_pipeline(x, gate_up, down, weights, ids):
+    """The same kernels without fusion: tokens copied into expert order, separate activation and
+    weighted-sum passes."""
+    T, k = ids.shape
+    I = gate_up.shape[1] // 2
+    s = moe_xpu.sort_tokens(ids, gate_up.shape[0])
+    rows = x[s.gather_index]  # the copy fused_moe avoids
+    h = moe_xpu.moe_gemm(rows, gate_up.transpose(1, 2), s.group_offsets)
+    h = F.silu(h[:, :I]) * h[:, I:]
+    y = moe_xpu.moe_gemm(h, down.transpose(1, 2), s.group_offsets, out_dtype=torch.float32)
+    per_slot = torch.empty(T * k, x.shape[1], dtype=torch.float32)
+    per_slot[s.scatter_index] = y * weights.reshape(-1).float()[s.scatter_index, None]
+    return per_slot.view(T, k, -1).sum(1).to(x.dtype)
+
+
+def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int) -> list[Row]:
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(0)
+    for case in cases:
+        config = transformers.MixtralConfig(hidden_size=case.H, intermediate_size=case.I,
+                                            num_local_experts=case.experts, num_experts_per_tok=case.top_k)
+        logits = torch.randn(case.tokens, case.experts, generator=gen)
+        weights, ids = logits.softmax(-1).topk(case.top_k, dim=1)
+        touched = int(ids.unique().numel())
+        for dtype in dtypes:
+            experts = MixtralExperts(config).to(dtype)
+            with torch.no_grad():
+                experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 0.02)
+                experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.02)
+            x = torch.randn(case.tokens, case.H, generator=gen).to(dtype)
+            w = weights.to(dtype)
+            esize = x.element_size()
+            flops = 6 * case.tokens * case.top_k * case.H * case.I
+            bytes_read = touched * 3 * case.H * case.I * esize + case.tokens * case.H * esize
+            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+
+            def hf(backend):
+                def run():
+                    experts.config._experts_implementation = backend
+                    return experts(x, ids, w)
+                return run
+
+            impls = {
+                "moe_xpu fused": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids),
+                "HF eager": hf("eager"),
+                "HF grouped_mm": hf("grouped_mm"),
+                "moe_xpu unfused": lambda: unfused_moe_pipeline(x, experts.gate_up_proj, experts.down_proj, w, ids),
+            }
+            with torch.no_grad():
+                times = {name: median_time(fn, repeats) for name, fn in impls.items()}
+            for name, t in times.items():
+                rows.append(Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
+                                100 * roofline_s / t, t / times["moe_xpu fused"]))
+    return rows
+
+
 def print_table(rows: list[Row], title: str) -> None:
     print(title)
-    header = f"{'case':<11} {'dtype':<9} {'impl':<14} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
+    header = f"{'case':<11} {'dtype':<9} {'impl':<16} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        speed = "" if r.impl == "moe_xpu" else f"{r.speedup:.2f}x"
-        print(f"{r.case:<11} {r.dtype:<9} {r.impl:<14} {r.seconds * 1e3:>10.2f} {r.gflops:>8.1f} "
+        speed = "" if r.impl.startswith("moe_xpu") and r.speedup == 1.0 else f"{r.speedup:.2f}x"
+        print(f"{r.case:<11} {r.dtype:<9} {r.impl:<16} {r.seconds * 1e3:>10.2f} {r.gflops:>8.1f} "
               f"{r.roofline_pct:>8.0f}% {speed:>17}")
 
 
@@ -212,9 +294,9 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_xpu.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm"])
+    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe"])
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--cases", default=",".join(c.name for c in GEMM_CASES))
+    parser.add_argument("--cases", default="decode,prefill,64tok-E64,16tok-E8")
     parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
                         help="weights as nn.Linear [E, N, K] transposed (default) or contiguous [E, K, N]")
     parser.add_argument("--repeats", type=int, default=5)
@@ -223,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
 
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     wanted = args.cases.split(",")
-    cases = [c for c in GEMM_CASES if c.name in wanted]
     print(f"machine: {machine_line()}")
     ceilings = measure_ceilings(args.repeats)
     print(f"ceilings: compute {ceilings.gflops:.0f} GFLOP/s (float32 torch.mm 4096^3), "
@@ -231,9 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:  # build (or load) kernels outside the timed region
         moe_xpu.moe_gemm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype),
                          torch.ones(1, dtype=torch.int32))
-    rows = bench_gemm(cases, dtypes, ceilings, args.repeats, args.layout)
-    title = f"moe_gemm vs peers, weights {args.layout}, median of {args.repeats}"
-    print_table(rows, title)
+    if args.suite == "gemm":
+        rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats, args.layout)
+        title = f"moe_gemm vs peers, weights {args.layout}, median of {args.repeats}"
+        speedup_of = "moe_xpu"
+    else:
+        rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats)
+        title = f"fused_moe vs peers, median of {args.repeats}"
+        speedup_of = "moe_xpu fused"
+    print_table(rows, title + f" (speed-up = peer time / {speedup_of} time)")
     if args.plot:
         plot(rows, args.plot, f"{title}\n{machine_line()}")
     return 0
