@@ -9,9 +9,9 @@
 // row(m) = gather_index[m] when an index table is given, else m.
 //
 // Scheduling: a fixed set of workers (one sub-group each) loops over the work units of all
-// groups. Each worker walks the groups once, derives each group's unit range from the
-// cumulative row offsets in device memory, and takes every num_workers-th unit. Empty groups
-// cost one offset read. A unit is one column tile of one group over several row tiles, so the
+// groups. Each worker derives every group's unit range from the cumulative row offsets in
+// device memory and takes one contiguous, equal share of the units. Empty groups cost one
+// offset read. A unit is one column tile of one group over several row tiles, so the
 // unit's slice of B is read from memory once and reused from cache. Rows at or past group_offsets[E-1] form a last "tail" group whose
 // tiles are written with zeros, so no separate memset is needed.
 //
@@ -56,38 +56,63 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
 
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Calls tile(g, row_begin, rows, m_tile, n_tile) for every row tile of every work unit this worker
-// owns. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive
-// row tiles: the unit's B panel is read from memory once and reused from cache by its row tiles.
-// g == num_groups is the tail group (rows past the last offset, written with zeros). Offsets are
-// clamped into [previous offset, out_rows] so malformed offsets can never address memory out of
-// range (the host validates them where it can do so without a synchronisation).
-template <typename TileFn>
-inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void* group_offsets,
-                                int offsets_is64, int64_t num_groups, int64_t out_rows,
-                                int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
-                                TileFn&& tile) {
+// Walks the groups once, calling unit(g, row_begin, row_end, tiles_m, blocks_m, unit_base) with
+// each group's rows and the index of its first work unit; stops when unit returns false.
+template <typename UnitFn>
+inline void for_each_unit(const void* group_offsets, int offsets_is64, int64_t num_groups,
+                          int64_t out_rows, int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
+                          UnitFn&& unit) {
   int64_t unit_base = 0;
   int64_t row_begin = 0;
   for (int64_t g = 0; g <= num_groups; ++g) {
     const int64_t row_end =
         g < num_groups ? clamp64(load_index(group_offsets, offsets_is64, g), row_begin, out_rows)
                        : out_rows;
-    const int64_t rows = row_end - row_begin;
-    const int64_t tiles_m = (rows + tile_m - 1) / tile_m;
+    const int64_t tiles_m = (row_end - row_begin + tile_m - 1) / tile_m;
     const int64_t blocks_m = (tiles_m + tiles_per_unit - 1) / tiles_per_unit;
-    const int64_t count = blocks_m * tiles_n;
-    int64_t u = unit_base + ((worker - unit_base % num_workers) + num_workers) % num_workers;
-    for (; u < unit_base + count; u += num_workers) {
-      const int64_t local = u - unit_base;
-      const int64_t n_tile = local / blocks_m;
-      const int64_t m_first = (local % blocks_m) * tiles_per_unit;
-      const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
-      for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) tile(g, row_begin, rows, m_tile, n_tile);
-    }
-    unit_base += count;
+    if (!unit(g, row_begin, row_end, tiles_m, blocks_m, unit_base)) return;
+    unit_base += blocks_m * tiles_n;
     row_begin = row_end;
   }
+}
+
+// Calls tile(g, row_begin, rows, m_tile, n_tile) for every row tile of every work unit this worker
+// owns. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
+// tiles: its B panel is read from memory once and reused from cache by its row tiles. Each worker
+// owns one contiguous range of units (equal shares): consecutive column tiles, so its B reads
+// form long sequential streams. g == num_groups is the tail group (rows past the last offset,
+// written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed offsets
+// can never address memory out of range (the host validates them where it can without a sync).
+template <typename TileFn>
+inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void* group_offsets,
+                                int offsets_is64, int64_t num_groups, int64_t out_rows,
+                                int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
+                                TileFn&& tile) {
+  int64_t total = 0;
+  for_each_unit(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit, tiles_n,
+                [&](int64_t, int64_t, int64_t, int64_t, int64_t blocks_m, int64_t) {
+                  total += blocks_m * tiles_n;
+                  return true;
+                });
+  const int64_t first = total * worker / num_workers;
+  const int64_t last = total * (worker + 1) / num_workers;
+  for_each_unit(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit, tiles_n,
+                [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m,
+                    int64_t unit_base) {
+                  const int64_t count = blocks_m * tiles_n;
+                  const int64_t lo = first > unit_base ? first : unit_base;
+                  const int64_t hi = last < unit_base + count ? last : unit_base + count;
+                  for (int64_t u = lo; u < hi; ++u) {
+                    const int64_t local = u - unit_base;
+                    const int64_t n_tile = local / blocks_m;
+                    const int64_t m_first = (local % blocks_m) * tiles_per_unit;
+                    const int64_t m_last =
+                        m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
+                    for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile)
+                      tile(g, row_begin, row_end - row_begin, m_tile, n_tile);
+                  }
+                  return unit_base + count < last;  // stop once past this worker's range
+                });
 }
 
 // Sub-group size the kernels are written for (the Xe native size; AVX-512 width on the CPU).
@@ -120,6 +145,19 @@ inline Worker this_worker() {
 inline int64_t source_row(const void* gather_index, int gather_is64, int64_t m, int64_t a_rows) {
   if (gather_index == nullptr) return m;
   return clamp64(load_index(gather_index, gather_is64, m), 0, a_rows - 1);
+}
+
+// Reduces 16 per-lane vectors at once: afterwards lane l holds the sub-group sum of v[l].
+inline float transpose_reduce16(const sycl::sub_group& sg, int lane, float (&v)[16]) {
+  for (int h = 8; h >= 1; h >>= 1) {
+    const bool upper = (lane & h) != 0;
+    for (int i = 0; i < h; ++i) {
+      const float send = upper ? v[i] : v[i + h];
+      const float keep = upper ? v[i + h] : v[i];
+      v[i] = keep + sycl::permute_group_by_xor(sg, send, h);
+    }
+  }
+  return v[0];
 }
 
 // What happens to a finished tile element before it is stored (the fused-MoE epilogues).
@@ -206,23 +244,54 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
               for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
             }
           }
-          for (int i = 0; i < TM; ++i)
-            for (int j = 0; j < TN; ++j)
-              acc[i][j] = sycl::reduce_over_group(w.sg, acc[i][j], sycl::plus<float>());
-          if (bias != nullptr)
+          if (bias != nullptr)  // added once, to lane 0's partial sums
             for (int j = 0; j < TN; ++j) {
-              const float bj = to_float(bias[g * bias_stride_e + b_n[j]]);
+              const float bj = w.lane == 0 ? to_float(bias[g * bias_stride_e + b_n[j]]) : 0.0f;
               for (int i = 0; i < TM; ++i) acc[i][j] += bj;
             }
         }
-        // Every lane holds every sum now; lane (i * out_cols + j) % 16 stores element (i, j).
-        for (int i = 0; i < TM; ++i)
-          for (int j = 0; j < out_cols; ++j)
-            if ((i * out_cols + j) % kLanes == w.lane && m_tile * TM + i < rows && n0 + j < N) {
-              const float v = gated ? activate(activation, acc[i][j]) * acc[i][j + out_cols] : acc[i][j];
-              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-              out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(v * t.weight);
+        // Cross-lane sums, 16 tile elements at a time (all lanes take part: uniform control flow).
+        // Element order: plain tiles row-major (i, j); gated tiles all gate elements (i, j <
+        // out_cols) row-major, then the matching up elements. After the butterfly, element e sits
+        // on lane e % 16 of sums[e / 16].
+        constexpr int kElems = TM * TN;
+        constexpr int kSets = (kElems + 15) / 16;
+        float sums[kSets];
+        for (int set = 0; set < kSets; ++set) {
+          float v[16];
+          for (int e = 0; e < 16; ++e) {
+            const int idx = set * 16 + e;
+            if (idx >= kElems) {
+              v[e] = 0.0f;
+            } else if (gated) {
+              constexpr int half = TM * (TN / 2);
+              const int r = idx < half ? idx : idx - half;
+              v[e] = acc[r / (TN / 2)][r % (TN / 2) + (idx < half ? 0 : TN / 2)];
+            } else {
+              v[e] = acc[idx / TN][idx % TN];
             }
+          }
+          sums[set] = transpose_reduce16(w.sg, w.lane, v);
+        }
+        const int outputs = TM * out_cols;
+        for (int set = 0; set * 16 < outputs; ++set) {
+          const int o = set * 16 + w.lane;  // this lane's output element
+          float v = sums[set];
+          if (gated) {  // fetch the up element o + outputs from its lane
+            const int partner = o + outputs;
+            float up = 0.0f;
+            for (int q = 0; q < kSets; ++q) {
+              const float candidate = sycl::select_from_group(w.sg, sums[q], partner % 16);
+              up = q == partner / 16 ? candidate : up;
+            }
+            v = activate(activation, v) * up;
+          }
+          const int i = o / out_cols, j = o % out_cols;
+          if (o < outputs && m_tile * TM + i < rows && n0 + j < N) {
+            const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+            out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(v * t.weight);
+          }
+        }
       });
 }
 
