@@ -60,10 +60,19 @@ struct TileShape {
   int tile_m, tile_n;
 };
 constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
-// Index 0..2: decode / few rows / many rows per group. k_lanes index 3 serves the gated epilogue
-// (which needs an even TN: gate and up columns in pairs) for many rows per group.
+// The tile shapes compiled into every bundle, per B layout. K-split (k_lanes): {1, 8} decode,
+// {4, 4} few rows per group, {8, 3} many rows, {6, 4} many rows with the gated epilogue (which
+// needs an even TN: gate and up columns in pairs). N-split (n_lanes): wide tiles so each k-step
+// reads a long contiguous piece of a B row: {1, 12} decode, {4, 6} otherwise.
 constexpr TileShape kKLanesTiles[] = {{1, 8}, {4, 4}, {8, 3}, {6, 4}};
-constexpr TileShape kNLanesTiles[] = {{1, 4}, {4, 3}, {8, 3}};
+constexpr TileShape kNLanesTiles[] = {{1, 12}, {4, 6}};
+
+TileShape choose_tile(bool k_lanes, bool gated, double rows_per_group) {
+  if (!k_lanes) return rows_per_group <= 2.0 ? kNLanesTiles[0] : kNLanesTiles[1];
+  if (rows_per_group <= 2.0) return kKLanesTiles[0];
+  if (rows_per_group <= 6.0) return kKLanesTiles[1];
+  return gated ? kKLanesTiles[3] : kKLanesTiles[2];
+}
 
 std::string kernel_name(bool k_lanes, DType t, DType out, TileShape s) {
   std::ostringstream name;
@@ -146,6 +155,15 @@ bool is_cpu(const sycl::queue& q) { return q.get_device().is_cpu(); }
 
 }  // namespace
 
+std::vector<std::pair<int, int>> tile_shapes(bool k_lanes) {
+  std::vector<std::pair<int, int>> shapes;
+  if (k_lanes)
+    for (TileShape s : kKLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
+  else
+    for (TileShape s : kNLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
+  return shapes;
+}
+
 LaunchPlan plan_gemm(const GemmArgs& args) {
   if (args.b_stride_k != 1 && args.b_stride_n != 1)
     throw std::invalid_argument("moe_xpu: b must be contiguous along K or along N");
@@ -156,18 +174,15 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
 
   // Few rows per expert (decode): one row per tile so no work is spent on padding rows;
   // many rows (prefill): taller tiles reuse each loaded B value across more rows.
-  const TileShape* shapes = k_lanes ? kKLanesTiles : kNLanesTiles;
   const bool gated = args.activation != 0;
   if (gated && !k_lanes)
     throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
-  const std::size_t many_rows = gated ? 3 : 2;
-  TileShape shape = rows_per_group <= 2.0 ? shapes[0] : (rows_per_group <= 6.0 ? shapes[1] : shapes[many_rows]);
+  TileShape shape = choose_tile(k_lanes, gated, rows_per_group);
   if (args.tile_m != 0 || args.tile_n != 0) {
     bool found = false;
-    const std::size_t count = k_lanes ? std::size(kKLanesTiles) : std::size(kNLanesTiles);
-    for (std::size_t i = 0; i < count; ++i)
-      if (shapes[i].tile_m == args.tile_m && shapes[i].tile_n == args.tile_n) {
-        shape = shapes[i];
+    for (const auto& [tile_m, tile_n] : tile_shapes(k_lanes))
+      if (tile_m == args.tile_m && tile_n == args.tile_n) {
+        shape = TileShape{tile_m, tile_n};
         found = true;
       }
     if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
@@ -197,15 +212,6 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
   plan.num_workers = workers;
   return plan;
-}
-
-std::vector<std::pair<int, int>> tile_shapes(bool k_lanes) {
-  std::vector<std::pair<int, int>> shapes;
-  if (k_lanes)
-    for (TileShape s : kKLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
-  else
-    for (TileShape s : kNLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
-  return shapes;
 }
 
 void moe_gemm(const GemmArgs& args) {
