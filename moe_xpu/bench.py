@@ -65,6 +65,20 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> floa
     return times[len(times) // 2]
 
 
+def median_times(impls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median time of each implementation, timed round-robin (every repeat runs each one once) so
+    that a slow spell of the machine falls on all of them alike, not on one."""
+    for fn in impls.values():
+        fn()  # warm-up: kernel build or cache load, first-touch of outputs
+    samples: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in samples.items()}
+
+
 @dataclasses.dataclass
 class Ceilings:
     gflops: float  # large float32 torch.mm
@@ -102,11 +116,22 @@ def measure_ceilings(repeats: int) -> Ceilings:
     return Ceilings(gflops, read_gbs)
 
 
-def routed_offsets(case: GemmCase, generator: torch.Generator) -> torch.Tensor:
-    """Tokens routed top-k by random logits: cumulative rows per expert (int32)."""
+def routed_offsets(case: GemmCase, generator: torch.Generator, routing: str = "uniform") -> torch.Tensor:
+    """Cumulative rows per expert (int32). uniform: tokens routed top-k by random logits.
+    zipf: the same number of rows and the same touched experts, but expert popularity skewed
+    (Zipf, s=1.2: the most popular expert takes about a third of the rows)."""
     logits = torch.randn(case.tokens, case.experts, generator=generator)
     ids = logits.topk(case.top_k, dim=1).indices.flatten()
-    return torch.bincount(ids, minlength=case.experts).cumsum(0).to(torch.int32)
+    counts = torch.bincount(ids, minlength=case.experts)
+    if routing == "zipf":
+        touched = (counts > 0).nonzero().flatten()
+        weights = 1.0 / torch.arange(1, touched.numel() + 1, dtype=torch.float64) ** 1.2
+        extra = case.rows - touched.numel()  # every touched expert keeps at least one row
+        share = torch.floor(weights / weights.sum() * extra).to(torch.int64)
+        share[0] += extra - int(share.sum())
+        counts = torch.zeros_like(counts)
+        counts[touched] = 1 + share
+    return counts.cumsum(0).to(torch.int32)
 
 
 def per_expert_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -130,11 +155,11 @@ class Row:
     speedup: float  # moe_xpu time advantage: peer time / moe_xpu time (1.0 for moe_xpu itself)
 
 
-def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str) -> list[Row]:
+def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, routing: str) -> list[Row]:
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
     for case in cases:
-        offsets = routed_offsets(case, gen)
+        offsets = routed_offsets(case, gen, routing)
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
         touched = int((counts > 0).sum())
         for dtype in dtypes:
@@ -152,7 +177,7 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str) -> 
                 "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
                 "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
             }
-            times = {name: median_time(fn, repeats) for name, fn in impls.items()}
+            times = median_times(impls, repeats)
             for name, t in times.items():
                 rows.append(
                     Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
@@ -231,7 +256,7 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int) -> list[Row]:
                 "moe_xpu unfused": lambda: unfused_moe_pipeline(x, experts.gate_up_proj, experts.down_proj, w, ids),
             }
             with torch.no_grad():
-                times = {name: median_time(fn, repeats) for name, fn in impls.items()}
+                times = median_times(impls, repeats)
             for name, t in times.items():
                 rows.append(Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
                                 100 * roofline_s / t, t / times["moe_xpu fused"]))
@@ -299,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="decode,prefill,64tok-E64,16tok-E8")
     parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
                         help="weights as nn.Linear [E, N, K] transposed (default) or contiguous [E, K, N]")
+    parser.add_argument("--routing", choices=["uniform", "zipf"], default="uniform",
+                        help="gemm: expert popularity; zipf keeps the rows and touched experts of uniform")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
     args = parser.parse_args(argv)
@@ -313,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         moe_xpu.moe_gemm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype),
                          torch.ones(1, dtype=torch.int32))
     if args.suite == "gemm":
-        rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats, args.layout)
-        title = f"moe_gemm vs peers, weights {args.layout}, median of {args.repeats}"
+        rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats,
+                          args.layout, args.routing)
+        title = f"moe_gemm vs peers, weights {args.layout}, {args.routing} routing, median of {args.repeats}"
         speedup_of = "moe_xpu"
     else:
         rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats)
