@@ -183,6 +183,121 @@ inline RowTarget row_target(const void* scatter_index, int scatter_is64, const f
   return RowTarget{row, row_weight == nullptr ? 1.0f : row_weight[row]};
 }
 
+// The K-split kernel's arguments, handed to its row-tile bodies in one piece.
+template <typename T, typename TOut>
+struct KLanesArgs {
+  const T* a; int64_t a_row_stride; int64_t a_rows; const void* gather_index; int gather_is64;
+  const T* b; int64_t b_stride_e; int64_t b_stride_n; const T* bias; int64_t bias_stride_e;
+  TOut* out; int64_t out_row_stride; int64_t out_rows; int64_t K; int64_t N; int activation;
+  int64_t up_offset; const void* scatter_index; int scatter_is64; const float* row_weight;
+};
+
+// One R x TN tile of the K-split kernel at rows m0 .. m0 + valid_rows - 1 of group g.
+template <int R, int TN, typename T, typename TOut>
+inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t g,
+                         int64_t num_groups, int64_t m0, int64_t valid_rows, int64_t n_tile) {
+  const T* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
+  const void* gather_index = p.gather_index; const int gather_is64 = p.gather_is64;
+  const T* b = p.b; const int64_t b_stride_e = p.b_stride_e, b_stride_n = p.b_stride_n;
+  const T* bias = p.bias; const int64_t bias_stride_e = p.bias_stride_e;
+  TOut* out = p.out; const int64_t out_row_stride = p.out_row_stride, out_rows = p.out_rows;
+  const int64_t K = p.K, N = p.N, up_offset = p.up_offset;
+  const int activation = p.activation;
+  const void* scatter_index = p.scatter_index; const int scatter_is64 = p.scatter_is64;
+  const float* row_weight = p.row_weight;
+  // Gated activation: output column n is act(B column n) * (B column n + up_offset), so a tile's
+  // TN accumulator columns are TN/2 gate columns followed by the matching TN/2 up columns.
+  const bool gated = activation != kNone;
+  const int out_cols = gated ? TN / 2 : TN;
+  const int64_t n0 = n_tile * out_cols;
+  int64_t b_n[TN];  // the B column behind accumulator column j
+  for (int j = 0; j < TN; ++j) {
+    const int64_t n = n0 + (gated ? j % out_cols : j);
+    b_n[j] = (n < N ? n : N - 1) + (gated && j >= out_cols ? up_offset : 0);
+  }
+  float acc[R][TN];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+  if (g < num_groups) {
+    const T* a_row[R];
+    for (int i = 0; i < R; ++i) {  // rows past the group repeat its last row; not stored
+      const int64_t m = m0 + (i < valid_rows ? i : valid_rows - 1);
+      a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+    }
+    const T* b_col[TN];
+    for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + b_n[j] * b_stride_n;
+    // Uniform trip count (every lane runs the same iterations), so the vectorizer emits
+    // plain unmasked vector loads; the K remainder is one masked step.
+    const int64_t k_full = K - K % kLanes;
+    for (int64_t k0 = 0; k0 < k_full; k0 += kLanes) {
+      const int64_t k = k0 + w.lane;
+      float bv[TN];
+      for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k]);
+      for (int i = 0; i < R; ++i) {
+        const float av = to_float(a_row[i][k]);
+        for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+      }
+    }
+    if (k_full < K) {
+      const int64_t k = k_full + w.lane < K ? k_full + w.lane : K - 1;
+      const float keep = k_full + w.lane < K ? 1.0f : 0.0f;
+      float bv[TN];
+      for (int j = 0; j < TN; ++j) bv[j] = keep * to_float(b_col[j][k]);
+      for (int i = 0; i < R; ++i) {
+        const float av = to_float(a_row[i][k]);
+        for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+      }
+    }
+    if (bias != nullptr)  // added once, to lane 0's partial sums
+      for (int j = 0; j < TN; ++j) {
+        const float bj = w.lane == 0 ? to_float(bias[g * bias_stride_e + b_n[j]]) : 0.0f;
+        for (int i = 0; i < R; ++i) acc[i][j] += bj;
+      }
+  }
+  // Cross-lane sums, 16 tile elements at a time (all lanes take part: uniform control flow).
+  // Element order: plain tiles row-major (i, j); gated tiles all gate elements (i, j <
+  // out_cols) row-major, then the matching up elements. After the butterfly, element e sits
+  // on lane e % 16 of sums[e / 16].
+  constexpr int kElems = R * TN;
+  constexpr int kSets = (kElems + 15) / 16;
+  float sums[kSets];
+  for (int set = 0; set < kSets; ++set) {
+    float v[16];
+    for (int e = 0; e < 16; ++e) {
+      const int idx = set * 16 + e;
+      if (idx >= kElems) {
+        v[e] = 0.0f;
+      } else if (gated) {
+        constexpr int half = R * (TN / 2);
+        const int r = idx < half ? idx : idx - half;
+        v[e] = acc[r / (TN / 2)][r % (TN / 2) + (idx < half ? 0 : TN / 2)];
+      } else {
+        v[e] = acc[idx / TN][idx % TN];
+      }
+    }
+    sums[set] = transpose_reduce16(w.sg, w.lane, v);
+  }
+  const int outputs = R * out_cols;
+  for (int set = 0; set * 16 < outputs; ++set) {
+    const int o = set * 16 + w.lane;  // this lane's output element
+    float v = sums[set];
+    if (gated) {  // fetch the up element o + outputs from its lane
+      const int partner = o + outputs;
+      float up = 0.0f;
+      for (int q = 0; q < kSets; ++q) {
+        const float candidate = sycl::select_from_group(w.sg, sums[q], partner % 16);
+        up = q == partner / 16 ? candidate : up;
+      }
+      v = activate(activation, v) * up;
+    }
+    const int i = o / out_cols, j = o % out_cols;
+    if (o < outputs && i < valid_rows && n0 + j < N) {
+      const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+      out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(v * t.weight);
+    }
+  }
+}
+
 // Variant for B stored with K contiguous (b_stride_k == 1), e.g. nn.Linear weights [E, N, K]
 // seen through .transpose(1, 2). The 16 lanes split K; each lane keeps TM x TN partial sums,
 // reduced across the sub-group once per tile. Both A and B are read as contiguous vectors.
@@ -196,102 +311,24 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
                       const void* scatter_index, int scatter_is64, const float* row_weight) {
   const Worker w = this_worker();
-  // Gated activation: output column n is act(B column n) * (B column n + up_offset), so a tile's
-  // TN accumulator columns are TN/2 gate columns followed by the matching TN/2 up columns.
-  const bool gated = activation != kNone;
-  const int out_cols = gated ? TN / 2 : TN;
+  const KLanesArgs<T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
+                              b_stride_n, bias, bias_stride_e, out, out_row_stride, out_rows, K, N,
+                              activation, up_offset, scatter_index, scatter_is64, row_weight};
+  const int out_cols = activation != kNone ? TN / 2 : TN;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   for_each_owned_tile(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
         const int64_t m0 = row_begin + m_tile * TM;
-        const int64_t n0 = n_tile * out_cols;
-        int64_t b_n[TN];  // the B column behind accumulator column j
-        for (int j = 0; j < TN; ++j) {
-          const int64_t n = n0 + (gated ? j % out_cols : j);
-          b_n[j] = (n < N ? n : N - 1) + (gated && j >= out_cols ? up_offset : 0);
-        }
-        float acc[TM][TN];
-        for (int i = 0; i < TM; ++i)
-          for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
-        if (g < num_groups) {
-          const T* a_row[TM];
-          for (int i = 0; i < TM; ++i) {  // rows past the group repeat its last row; not stored
-            const int64_t m = m0 + (i < rows - m_tile * TM ? i : rows - 1 - m_tile * TM);
-            a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
-          }
-          const T* b_col[TN];
-          for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + b_n[j] * b_stride_n;
-          // Uniform trip count (every lane runs the same iterations), so the vectorizer emits
-          // plain unmasked vector loads; the K remainder is one masked step.
-          const int64_t k_full = K - K % kLanes;
-          for (int64_t k0 = 0; k0 < k_full; k0 += kLanes) {
-            const int64_t k = k0 + w.lane;
-            float bv[TN];
-            for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k]);
-            for (int i = 0; i < TM; ++i) {
-              const float av = to_float(a_row[i][k]);
-              for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
-            }
-          }
-          if (k_full < K) {
-            const int64_t k = k_full + w.lane < K ? k_full + w.lane : K - 1;
-            const float keep = k_full + w.lane < K ? 1.0f : 0.0f;
-            float bv[TN];
-            for (int j = 0; j < TN; ++j) bv[j] = keep * to_float(b_col[j][k]);
-            for (int i = 0; i < TM; ++i) {
-              const float av = to_float(a_row[i][k]);
-              for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
-            }
-          }
-          if (bias != nullptr)  // added once, to lane 0's partial sums
-            for (int j = 0; j < TN; ++j) {
-              const float bj = w.lane == 0 ? to_float(bias[g * bias_stride_e + b_n[j]]) : 0.0f;
-              for (int i = 0; i < TM; ++i) acc[i][j] += bj;
-            }
-        }
-        // Cross-lane sums, 16 tile elements at a time (all lanes take part: uniform control flow).
-        // Element order: plain tiles row-major (i, j); gated tiles all gate elements (i, j <
-        // out_cols) row-major, then the matching up elements. After the butterfly, element e sits
-        // on lane e % 16 of sums[e / 16].
-        constexpr int kElems = TM * TN;
-        constexpr int kSets = (kElems + 15) / 16;
-        float sums[kSets];
-        for (int set = 0; set < kSets; ++set) {
-          float v[16];
-          for (int e = 0; e < 16; ++e) {
-            const int idx = set * 16 + e;
-            if (idx >= kElems) {
-              v[e] = 0.0f;
-            } else if (gated) {
-              constexpr int half = TM * (TN / 2);
-              const int r = idx < half ? idx : idx - half;
-              v[e] = acc[r / (TN / 2)][r % (TN / 2) + (idx < half ? 0 : TN / 2)];
-            } else {
-              v[e] = acc[idx / TN][idx % TN];
-            }
-          }
-          sums[set] = transpose_reduce16(w.sg, w.lane, v);
-        }
-        const int outputs = TM * out_cols;
-        for (int set = 0; set * 16 < outputs; ++set) {
-          const int o = set * 16 + w.lane;  // this lane's output element
-          float v = sums[set];
-          if (gated) {  // fetch the up element o + outputs from its lane
-            const int partner = o + outputs;
-            float up = 0.0f;
-            for (int q = 0; q < kSets; ++q) {
-              const float candidate = sycl::select_from_group(w.sg, sums[q], partner % 16);
-              up = q == partner / 16 ? candidate : up;
-            }
-            v = activate(activation, v) * up;
-          }
-          const int i = o / out_cols, j = o % out_cols;
-          if (o < outputs && m_tile * TM + i < rows && n0 + j < N) {
-            const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-            out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(v * t.weight);
-          }
-        }
+        const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+        // A group's last row tile is often short (always, for experts with a row or two under
+        // skewed routing): run it with a shorter compiled tile instead of computing padding.
+        if (TM > 1 && valid == 1)
+          k_lanes_tile<1, TN>(p, w, g, num_groups, m0, valid, n_tile);
+        else if (TM > 4 && valid <= 4)
+          k_lanes_tile<(TM > 4 ? 4 : TM), TN>(p, w, g, num_groups, m0, valid, n_tile);
+        else
+          k_lanes_tile<TM, TN>(p, w, g, num_groups, m0, valid, n_tile);
       });
 }
 
