@@ -56,13 +56,11 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
 
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Walks the groups once, calling unit(g, row_begin, row_end, tiles_m, blocks_m, unit_base) with
-// each group's rows and the index of its first work unit; stops when unit returns false.
-template <typename UnitFn>
-inline void for_each_unit(const void* group_offsets, int offsets_is64, int64_t num_groups,
-                          int64_t out_rows, int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
-                          UnitFn&& unit) {
-  int64_t unit_base = 0;
+// Walks the groups once, calling visit(g, row_begin, row_end, tiles_m, blocks_m) with each group's
+// rows; stops when visit returns false.
+template <typename VisitFn>
+inline void for_each_group(const void* group_offsets, int offsets_is64, int64_t num_groups,
+                           int64_t out_rows, int64_t tile_m, int64_t tiles_per_unit, VisitFn&& visit) {
   int64_t row_begin = 0;
   for (int64_t g = 0; g <= num_groups; ++g) {
     const int64_t row_end =
@@ -70,49 +68,59 @@ inline void for_each_unit(const void* group_offsets, int offsets_is64, int64_t n
                        : out_rows;
     const int64_t tiles_m = (row_end - row_begin + tile_m - 1) / tile_m;
     const int64_t blocks_m = (tiles_m + tiles_per_unit - 1) / tiles_per_unit;
-    if (!unit(g, row_begin, row_end, tiles_m, blocks_m, unit_base)) return;
-    unit_base += blocks_m * tiles_n;
+    if (!visit(g, row_begin, row_end, tiles_m, blocks_m)) return;
     row_begin = row_end;
   }
 }
 
+// Cost of a work unit in row-tile equivalents: its row tiles plus one for streaming its B slice.
+constexpr int64_t kUnitStreamCost = 1;
+
 // Calls tile(g, row_begin, rows, m_tile, n_tile) for every row tile of every work unit this worker
 // owns. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
-// tiles: its B panel is read from memory once and reused from cache by its row tiles. Each worker
-// owns one contiguous range of units (equal shares): consecutive column tiles, so its B reads
-// form long sequential streams. g == num_groups is the tail group (rows past the last offset,
-// written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed offsets
-// can never address memory out of range (the host validates them where it can without a sync).
+// tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
+// ordered group by group, column tile by column tile, and each worker owns the units that start
+// in its equal share of the total cost: balanced however skewed the routing (a popular expert's
+// units hold more row tiles and so count for more), and consecutive units of a worker read
+// adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
+// offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
+// offsets can never address memory out of range (the host validates them where it can do so
+// without a synchronisation).
 template <typename TileFn>
 inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void* group_offsets,
                                 int offsets_is64, int64_t num_groups, int64_t out_rows,
                                 int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
                                 TileFn&& tile) {
   int64_t total = 0;
-  for_each_unit(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit, tiles_n,
-                [&](int64_t, int64_t, int64_t, int64_t, int64_t blocks_m, int64_t) {
-                  total += blocks_m * tiles_n;
-                  return true;
-                });
+  for_each_group(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
+                 [&](int64_t, int64_t, int64_t, int64_t tiles_m, int64_t blocks_m) {
+                   total += tiles_n * (tiles_m + blocks_m * kUnitStreamCost);
+                   return true;
+                 });
   const int64_t first = total * worker / num_workers;
   const int64_t last = total * (worker + 1) / num_workers;
-  for_each_unit(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit, tiles_n,
-                [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m,
-                    int64_t unit_base) {
-                  const int64_t count = blocks_m * tiles_n;
-                  const int64_t lo = first > unit_base ? first : unit_base;
-                  const int64_t hi = last < unit_base + count ? last : unit_base + count;
-                  for (int64_t u = lo; u < hi; ++u) {
-                    const int64_t local = u - unit_base;
-                    const int64_t n_tile = local / blocks_m;
-                    const int64_t m_first = (local % blocks_m) * tiles_per_unit;
-                    const int64_t m_last =
-                        m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
-                    for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile)
-                      tile(g, row_begin, row_end - row_begin, m_tile, n_tile);
-                  }
-                  return unit_base + count < last;  // stop once past this worker's range
-                });
+  int64_t group_cost_base = 0;
+  for_each_group(
+      group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
+      [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m) {
+        const int64_t per_column = tiles_m + blocks_m * kUnitStreamCost;
+        const int64_t base = group_cost_base;
+        group_cost_base += tiles_n * per_column;
+        if (per_column == 0 || base + tiles_n * per_column <= first) return true;
+        for (int64_t n_tile = first > base ? (first - base) / per_column : 0; n_tile < tiles_n; ++n_tile) {
+          int64_t cost = base + n_tile * per_column;  // start cost of the column's first unit
+          if (cost >= last) return false;
+          for (int64_t block = 0; block < blocks_m; ++block) {
+            const int64_t m_first = block * tiles_per_unit;
+            const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
+            if (cost >= first && cost < last)
+              for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile)
+                tile(g, row_begin, row_end - row_begin, m_tile, n_tile);
+            cost += (m_last - m_first) + kUnitStreamCost;
+          }
+        }
+        return group_cost_base < last;
+      });
 }
 
 // Sub-group size the kernels are written for (the Xe native size; AVX-512 width on the CPU).
