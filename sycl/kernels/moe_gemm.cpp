@@ -9,11 +9,12 @@
 // row(m) = gather_index[m] when an index table is given, else m.
 //
 // Scheduling: a fixed set of workers (one sub-group each) loops over the work units of all
-// groups. Each worker derives every group's unit range from the cumulative row offsets in
-// device memory and takes one contiguous, equal share of the units. Empty groups cost one
-// offset read. A unit is one column tile of one group over several row tiles, so the
-// unit's slice of B is read from memory once and reused from cache. Rows at or past group_offsets[E-1] form a last "tail" group whose
-// tiles are written with zeros, so no separate memset is needed.
+// groups. A unit is one column tile of one group over several row tiles, so its slice of B is
+// read from memory once and reused from cache. Each worker derives every group's units from the
+// cumulative row offsets in device memory and takes those starting in its equal share of the
+// total cost (row tiles plus B streaming), so skewed routing stays balanced. Empty groups cost
+// one offset read. Rows at or past group_offsets[E-1] form a last "tail" group whose tiles are
+// written with zeros, so no separate memset is needed.
 //
 // All addresses are 64-bit offsets from the base pointers; no per-group pointer arrays.
 // Each output element is produced by exactly one work-item with a fixed k order, so results
@@ -415,8 +416,8 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_K_LANES(float, float, 4, 4), and registered under the matching name
-// "moe_xpu::moe_gemm_k_lanes<float, float, 4, 4>".
+// MOE_XPU_INSTANTIATE_K_LANES(float, float, 8, 3), and registered under the matching name
+// "moe_xpu::moe_gemm_k_lanes<float, float, 8, 3>".
 #define MOE_XPU_KERNEL_PARAMS(T, TOut)                                                         \
   const T*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t,         \
