@@ -231,3 +231,17 @@ def test_property_random_shapes_and_routings(T, E, K, N, dtype, layout, use_gath
         return
     out = moe_xpu.moe_gemm(a, b, offs, gather_index=gi, bias=bias)
     assert_matches_reference(out, a, b, offs, gather_index=gi, bias=bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_experts_gives_zero_rows(layout):
+    a = torch.randn(5, 4)
+    out = moe_xpu.moe_gemm(a, make_b(0, 4, 3, torch.float32, layout), torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (5, 3) and not out.any()
+
+
+def test_empty_k_gives_bias_only():
+    bias = torch.randn(2, 3)
+    out = moe_xpu.moe_gemm(torch.randn(5, 0), torch.randn(2, 0, 3), torch.tensor([2, 4]), bias=bias)
+    assert torch.equal(out[:2], bias[0].expand(2, 3)) and torch.equal(out[2:4], bias[1].expand(2, 3))
+    assert not out[4].any()
