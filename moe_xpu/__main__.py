@@ -18,7 +18,9 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def info() -> None:
+def info(warm_up: bool = False) -> None:
+    import hashlib
+
     import moe_xpu
 
     C = _runtime.sycl_module()
@@ -41,7 +43,15 @@ def info() -> None:
         print(f"  sub-groups     {list(d.sub_group_sizes)}")
         print(f"  max work-group {d.max_work_group_size}")
         print(f"  local memory   {d.local_mem_size} bytes")
+    if C is not None:
+        digest = hashlib.sha256(C.kernel_source().encode()).hexdigest()[:12]
+        print(f"kernel source    sha256 {digest} ({len(C.kernel_source())} bytes, embedded)")
     print(f"kernel cache     {_runtime.cache_dir()} (persistent: {_persistent()})")
+    if warm_up and C is not None and C.cpu_device_available():
+        # Compiles the kernels, or loads them from the persistent cache when they are there.
+        for name in ("float32", "bfloat16", "float16"):
+            dtype = getattr(C.DType, name)
+            print(f"  {name} kernels ready in {C.warm_up(0, dtype, dtype):.1f} s")
 
 
 def _persistent() -> bool:
@@ -53,8 +63,10 @@ def _persistent() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_xpu")
     parser.add_argument("command", choices=["info"], help="info: backend, device, versions, cache")
-    parser.parse_args(argv)
-    info()
+    parser.add_argument("--warm-up", action="store_true",
+                        help="build (or load from the cache) the kernels of each dtype and report the time")
+    args = parser.parse_args(argv)
+    info(args.warm_up)
     return 0
 
 

@@ -70,3 +70,14 @@ def test_public_function_and_op_agree():
     out = torch.ops.moe_xpu.moe_gemm(a, b, offs)
     assert torch.equal(out, moe_xpu.moe_gemm(a, b, offs))
     assert_matches_reference(out, a, b, offs)
+
+
+def test_info_command_reports_device_and_kernels():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "moe_xpu", "info", "--warm-up"], capture_output=True,
+                            text=True, timeout=300, check=True)
+    for expected in ("torch", "CPU backend", "compute units", "sub-groups", "kernel source", "kernel cache",
+                     "float32 kernels ready"):
+        assert expected in result.stdout, (expected, result.stdout)
