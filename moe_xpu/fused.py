@@ -59,10 +59,7 @@ def _check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
         torch._assert_async(~bad.any(), "moe_xpu: topk_ids outside [0, num_experts)")
 
 
-@torch.library.custom_op("moe_xpu::sort_tokens", mutates_args=())
-def _sort_tokens_op(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_topk_ids(topk_ids, num_experts)
-    _check_topk_id_values(topk_ids, num_experts)
+def _sort_tokens_impl(topk_ids: torch.Tensor, num_experts: int):
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).to(torch.int64)
     keys = torch.where(flat == SENTINEL_EXPERT, num_experts, flat)  # sentinels sort last
@@ -71,6 +68,13 @@ def _sort_tokens_op(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     counts.scatter_add_(0, keys, torch.ones_like(keys))
     group_offsets = counts[:num_experts].cumsum(0).to(torch.int32)
     return order // k, group_offsets, order
+
+
+@torch.library.custom_op("moe_xpu::sort_tokens", mutates_args=())
+def _sort_tokens_op(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_topk_ids(topk_ids, num_experts)
+    _check_topk_id_values(topk_ids, num_experts)
+    return _sort_tokens_impl(topk_ids, num_experts)
 
 
 @_sort_tokens_op.register_fake
@@ -145,7 +149,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
     x = hidden_states if H <= 1 or hidden_states.stride(1) == 1 else hidden_states.contiguous()
-    gather_index, group_offsets, scatter_index = _sort_tokens_op(topk_ids, E)
+    gather_index, group_offsets, scatter_index = _sort_tokens_impl(topk_ids, E)  # ids checked by the caller
     gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
     down_bias = None if down_bias is None else down_bias.contiguous()
 

@@ -128,20 +128,9 @@ def _check_values_on_device(
         torch._assert_async(ok, "moe_xpu: gather_index values must lie in [0, rows of a)")
 
 
-_LAUNCHER_DTYPES = {}
-
-
 def _launcher_dtype(dtype: torch.dtype):
-    C = _runtime.sycl_module()
-    if not _LAUNCHER_DTYPES:
-        _LAUNCHER_DTYPES.update(
-            {
-                torch.float32: C.DType.float32,
-                torch.float16: C.DType.float16,
-                torch.bfloat16: C.DType.bfloat16,
-            }
-        )
-    return _LAUNCHER_DTYPES[dtype]
+    """The launcher's DType of the same name (float32, float16, bfloat16)."""
+    return getattr(_runtime.sycl_module().DType, str(dtype).removeprefix("torch."))
 
 
 def gemm_args(
