@@ -60,24 +60,41 @@ struct TileShape {
   int tile_m, tile_n;
 };
 constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
-// The tile shapes compiled into every bundle, per B layout. K-split (k_lanes): {1, 8} decode,
-// {8, 3} otherwise, {6, 4} with the gated epilogue (which needs an even TN: gate and up columns
-// in pairs); their short last row tiles run 1- and 4-row variants compiled into the same kernel,
-// which measured faster than a separate 4-row tile shape. N-split (n_lanes): wide tiles so each
-// k-step reads a long contiguous piece of a B row: {1, 12} decode, {4, 6} otherwise.
-constexpr TileShape kKLanesTiles[] = {{1, 8}, {8, 3}, {6, 4}};
+// The tile shapes compiled into every bundle, per kernel. K-split (k_lanes): {1, 8} decode,
+// {8, 3} otherwise; with the gated epilogue (its own kernels, needing an even TN: gate and up
+// columns in pairs) {1, 8} and {6, 4}. Their short last row tiles run 1- and 4-row variants
+// compiled into the same kernel, which measured faster than a separate 4-row tile shape.
+// N-split (n_lanes): wide tiles so each k-step reads a long contiguous piece of a B row:
+// {1, 12} decode, {4, 6} otherwise. The first shape of each list is the decode shape.
+constexpr TileShape kKLanesTiles[] = {{1, 8}, {8, 3}};
+constexpr TileShape kKLanesGatedTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTiles[] = {{1, 12}, {4, 6}};
 
-TileShape choose_tile(bool k_lanes, bool gated, double rows_per_group) {
-  if (!k_lanes) return rows_per_group <= 2.0 ? kNLanesTiles[0] : kNLanesTiles[1];
-  if (rows_per_group <= 2.0) return kKLanesTiles[0];
-  return gated ? kKLanesTiles[2] : kKLanesTiles[1];
+// Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
+// is gated.
+enum class Family { k_lanes, k_lanes_gated, n_lanes };
+
+std::vector<TileShape> family_tiles(Family f) {
+  switch (f) {
+    case Family::k_lanes: return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
+    case Family::k_lanes_gated: return {std::begin(kKLanesGatedTiles), std::end(kKLanesGatedTiles)};
+    case Family::n_lanes: return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
+  }
+  throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
 
-std::string kernel_name(bool k_lanes, DType t, DType out, TileShape s) {
+// Few rows per expert (decode): one row per tile so no work is spent on padding rows; many rows
+// (prefill): taller tiles reuse each loaded B value across more rows.
+TileShape choose_tile(Family f, double rows_per_group) {
+  return family_tiles(f)[rows_per_group <= 2.0 ? 0 : 1];
+}
+
+std::string kernel_name(Family f, DType t, DType out, TileShape s) {
   std::ostringstream name;
-  name << "moe_xpu::moe_gemm_" << (k_lanes ? "k" : "n") << "_lanes<" << type_name(t) << ", "
-       << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ">";
+  name << "moe_xpu::moe_gemm_" << (f == Family::n_lanes ? "n" : "k") << "_lanes<" << type_name(t)
+       << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+  if (f != Family::n_lanes) name << ", " << (f == Family::k_lanes_gated ? "true" : "false");
+  name << ">";
   return name.str();
 }
 
@@ -122,13 +139,14 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   std::string source = kernel_source_text();
   std::vector<std::string> names;
   std::ostringstream inst;
-  auto add = [&](bool k_lanes, TileShape s) {
-    names.push_back(kernel_name(k_lanes, t, out, s));
-    inst << (k_lanes ? "MOE_XPU_INSTANTIATE_K_LANES(" : "MOE_XPU_INSTANTIATE_N_LANES(")
-         << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ")\n";
-  };
-  for (TileShape s : kKLanesTiles) add(true, s);
-  for (TileShape s : kNLanesTiles) add(false, s);
+  for (Family f : {Family::k_lanes, Family::k_lanes_gated, Family::n_lanes})
+    for (TileShape s : family_tiles(f)) {
+      names.push_back(kernel_name(f, t, out, s));
+      inst << (f == Family::n_lanes ? "MOE_XPU_INSTANTIATE_N_LANES(" : "MOE_XPU_INSTANTIATE_K_LANES(")
+           << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+      if (f != Family::n_lanes) inst << ", " << (f == Family::k_lanes_gated ? "true" : "false");
+      inst << ")\n";
+    }
   source += inst.str();
 
   std::string log;
@@ -155,12 +173,12 @@ bool is_cpu(const sycl::queue& q) { return q.get_device().is_cpu(); }
 
 }  // namespace
 
-std::vector<std::pair<int, int>> tile_shapes(bool k_lanes) {
+std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated) {
+  if (gated && !k_lanes)
+    throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
   std::vector<std::pair<int, int>> shapes;
-  if (k_lanes)
-    for (TileShape s : kKLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
-  else
-    for (TileShape s : kNLanesTiles) shapes.emplace_back(s.tile_m, s.tile_n);
+  const Family f = !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
+  for (TileShape s : family_tiles(f)) shapes.emplace_back(s.tile_m, s.tile_n);
   return shapes;
 }
 
@@ -172,29 +190,26 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   const double rows_per_group =
       args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
 
-  // Few rows per expert (decode): one row per tile so no work is spent on padding rows;
-  // many rows (prefill): taller tiles reuse each loaded B value across more rows.
   const bool gated = args.activation != 0;
   if (gated && !k_lanes)
     throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
-  TileShape shape = choose_tile(k_lanes, gated, rows_per_group);
+  const Family family = !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
+  TileShape shape = choose_tile(family, rows_per_group);
   if (args.tile_m != 0 || args.tile_n != 0) {
     bool found = false;
-    for (const auto& [tile_m, tile_n] : tile_shapes(k_lanes))
-      if (tile_m == args.tile_m && tile_n == args.tile_n) {
-        shape = TileShape{tile_m, tile_n};
+    for (TileShape s : family_tiles(family))
+      if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) {
+        shape = s;
         found = true;
       }
     if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
-    if (gated && shape.tile_n % 2 != 0)
-      throw std::invalid_argument("moe_xpu: the gated epilogue needs a tile shape with even tile_n");
   }
 
   const sycl::device dev = q.get_device();
   const std::int64_t compute_units = dev.get_info<sycl::info::device::max_compute_units>();
   const std::int64_t lanes = 16;
   LaunchPlan plan;
-  plan.kernel_name = kernel_name(k_lanes, args.dtype, args.out_dtype, shape);
+  plan.kernel_name = kernel_name(family, args.dtype, args.out_dtype, shape);
   plan.tile_m = shape.tile_m;
   plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, a few per core so the runtime's thread pool can balance;

@@ -195,6 +195,39 @@ def test_forced_tiles_and_worker_counts_agree(layout):
             assert torch.equal(out, first), "worker count must not change the result"
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_forced_gated_tiles_and_worker_counts_agree(activation):
+    """The gated-epilogue kernels (fused_moe's first GEMM) at every compiled tile shape:
+    out[:, n] = act(x @ b[:, n]) * (x @ b[:, n + I]), rows read through the index table."""
+    C = _runtime.sycl_module()
+    if C is None:
+        pytest.skip("SYCL launcher not built")
+    from moe_xpu.fused import ACTIVATIONS
+
+    T, E, K, I = 23, 4, 37, 19
+    a = torch.randn(T, K)
+    b = make_b(E, K, 2 * I, torch.float32, "linear")
+    offs = offsets([7, 0, 13, 11])
+    gi = torch.randint(0, T, (31,))
+    plain = moe_xpu.moe_gemm(a, b, offs, gather_index=gi).double()  # checked against float64 above
+    act = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
+    expected = act(plain[:, :I]) * plain[:, I:]
+    a_, b_, offs_, gi_, _ = ops.kernel_ready(a, b, offs, gi, None)
+    first = None
+    shapes = C.tile_shapes(True, True)
+    for (tile_m, tile_n), workers in itertools.product(shapes, [1, 5, 1000]):
+        out = torch.empty(31, I)
+        args = ops.gemm_args(a_, b_, offs_, gi_, None, out)
+        args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
+        args.tile_m, args.tile_n, args.num_workers = tile_m, tile_n, workers
+        C.moe_gemm(args)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        if (tile_m, tile_n) == shapes[-1]:
+            if first is None:
+                first = out
+            assert torch.equal(out, first), "worker count must not change the result"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bitwise_deterministic(dtype):
     T, E, K, N = 300, 16, 257, 129

@@ -157,13 +157,21 @@ inline int64_t source_row(const void* gather_index, int gather_is64, int64_t m, 
 }
 
 // Reduces 16 per-lane vectors at once: afterwards lane l holds the sub-group sum of v[l].
-inline float transpose_reduce16(const sycl::sub_group& sg, int lane, float (&v)[16]) {
+// The working set is a sycl::vec, not an array: selecting between two array elements by a
+// per-lane condition lets the compiler turn the pair of loads into one load through a per-lane
+// pointer, which forces the array (and the accumulators feeding it) out of registers into
+// scatter/gather traffic; on the CPU device that cost more than the whole k loop of a tile.
+inline float transpose_reduce16(const sycl::sub_group& sg, int lane, const float (&in)[16]) {
+  sycl::vec<float, 16> v;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = in[i];
+#pragma unroll
   for (int h = 8; h >= 1; h >>= 1) {
     const bool upper = (lane & h) != 0;
+#pragma unroll
     for (int i = 0; i < h; ++i) {
-      const float send = upper ? v[i] : v[i + h];
-      const float keep = upper ? v[i + h] : v[i];
-      v[i] = keep + sycl::permute_group_by_xor(sg, send, h);
+      const float lo = v[i], hi = v[i + h];
+      v[i] = (upper ? hi : lo) + sycl::permute_group_by_xor(sg, upper ? lo : hi, h);
     }
   }
   return v[0];
@@ -202,7 +210,7 @@ struct KLanesArgs {
 };
 
 // One R x TN tile of the K-split kernel at rows m0 .. m0 + valid_rows - 1 of group g.
-template <int R, int TN, typename T, typename TOut>
+template <int R, int TN, bool Gated, typename T, typename TOut>
 inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t g,
                          int64_t num_groups, int64_t m0, int64_t valid_rows, int64_t n_tile) {
   const T* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
@@ -216,24 +224,29 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
   const float* row_weight = p.row_weight;
   // Gated activation: output column n is act(B column n) * (B column n + up_offset), so a tile's
   // TN accumulator columns are TN/2 gate columns followed by the matching TN/2 up columns.
-  const bool gated = activation != kNone;
-  const int out_cols = gated ? TN / 2 : TN;
+  constexpr bool gated = Gated;
+  constexpr int out_cols = gated ? TN / 2 : TN;
   const int64_t n0 = n_tile * out_cols;
   int64_t b_n[TN];  // the B column behind accumulator column j
+  #pragma unroll
   for (int j = 0; j < TN; ++j) {
     const int64_t n = n0 + (gated ? j % out_cols : j);
     b_n[j] = (n < N ? n : N - 1) + (gated && j >= out_cols ? up_offset : 0);
   }
   float acc[R][TN];
+  #pragma unroll
   for (int i = 0; i < R; ++i)
+    #pragma unroll
     for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
   if (g < num_groups) {
     const T* a_row[R];
+    #pragma unroll
     for (int i = 0; i < R; ++i) {  // rows past the group repeat its last row; not stored
       const int64_t m = m0 + (i < valid_rows ? i : valid_rows - 1);
       a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
     }
     const T* b_col[TN];
+    #pragma unroll
     for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + b_n[j] * b_stride_n;
     // Uniform trip count (every lane runs the same iterations), so the vectorizer emits
     // plain unmasked vector loads; the K remainder is one masked step.
@@ -241,9 +254,12 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
     for (int64_t k0 = 0; k0 < k_full; k0 += kLanes) {
       const int64_t k = k0 + w.lane;
       float bv[TN];
+      #pragma unroll
       for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k]);
+      #pragma unroll
       for (int i = 0; i < R; ++i) {
         const float av = to_float(a_row[i][k]);
+        #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
       }
     }
@@ -251,15 +267,20 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
       const int64_t k = k_full + w.lane < K ? k_full + w.lane : K - 1;
       const float keep = k_full + w.lane < K ? 1.0f : 0.0f;
       float bv[TN];
+      #pragma unroll
       for (int j = 0; j < TN; ++j) bv[j] = keep * to_float(b_col[j][k]);
+      #pragma unroll
       for (int i = 0; i < R; ++i) {
         const float av = to_float(a_row[i][k]);
+        #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
       }
     }
     if (bias != nullptr)  // added once, to lane 0's partial sums
+      #pragma unroll
       for (int j = 0; j < TN; ++j) {
         const float bj = w.lane == 0 ? to_float(bias[g * bias_stride_e + b_n[j]]) : 0.0f;
+        #pragma unroll
         for (int i = 0; i < R; ++i) acc[i][j] += bj;
       }
   }
@@ -270,8 +291,10 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
   constexpr int kElems = R * TN;
   constexpr int kSets = (kElems + 15) / 16;
   float sums[kSets];
+  #pragma unroll
   for (int set = 0; set < kSets; ++set) {
     float v[16];
+    #pragma unroll
     for (int e = 0; e < 16; ++e) {
       const int idx = set * 16 + e;
       if (idx >= kElems) {
@@ -286,13 +309,15 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
     }
     sums[set] = transpose_reduce16(w.sg, w.lane, v);
   }
-  const int outputs = R * out_cols;
+  constexpr int outputs = R * out_cols;
+  #pragma unroll
   for (int set = 0; set * 16 < outputs; ++set) {
     const int o = set * 16 + w.lane;  // this lane's output element
     float v = sums[set];
     if (gated) {  // fetch the up element o + outputs from its lane
       const int partner = o + outputs;
       float up = 0.0f;
+      #pragma unroll
       for (int q = 0; q < kSets; ++q) {
         const float candidate = sycl::select_from_group(w.sg, sums[q], partner % 16);
         up = q == partner / 16 ? candidate : up;
@@ -310,7 +335,11 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
 // Variant for B stored with K contiguous (b_stride_k == 1), e.g. nn.Linear weights [E, N, K]
 // seen through .transpose(1, 2). The 16 lanes split K; each lane keeps TM x TN partial sums,
 // reduced across the sub-group once per tile. Both A and B are read as contiguous vectors.
-template <typename T, typename TOut, int TM, int TN>
+// Gated kernels (activation != kNone, even TN) are separate instantiations: each kernel holds one
+// epilogue, so every loop over the accumulators has a fixed trip count and they stay in
+// registers (a kernel holding both grew large enough that the CPU compiler outlined and
+// de-vectorized it).
+template <typename T, typename TOut, int TM, int TN, bool Gated>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
 void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -319,11 +348,12 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       int64_t out_rows, const void* group_offsets, int offsets_is64,
                       int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
                       const void* scatter_index, int scatter_is64, const float* row_weight) {
+  static_assert(!Gated || TN % 2 == 0, "gated tiles pair gate and up columns");
   const Worker w = this_worker();
   const KLanesArgs<T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
                               b_stride_n, bias, bias_stride_e, out, out_row_stride, out_rows, K, N,
                               activation, up_offset, scatter_index, scatter_is64, row_weight};
-  const int out_cols = activation != kNone ? TN / 2 : TN;
+  constexpr int out_cols = Gated ? TN / 2 : TN;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   for_each_owned_tile(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
@@ -335,11 +365,11 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
         // (Only for tiles taller than 4: pairing a 1-row variant with the 4-row tile measured
         // several times slower on the CPU device.)
         if (TM > 4 && valid == 1)
-          k_lanes_tile<1, TN>(p, w, g, num_groups, m0, valid, n_tile);
+          k_lanes_tile<1, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
         else if (TM > 4 && valid <= 4)
-          k_lanes_tile<(TM > 4 ? 4 : TM), TN>(p, w, g, num_groups, m0, valid, n_tile);
+          k_lanes_tile<(TM > 4 ? 4 : TM), TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
         else
-          k_lanes_tile<TM, TN>(p, w, g, num_groups, m0, valid, n_tile);
+          k_lanes_tile<TM, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
       });
 }
 
@@ -416,13 +446,13 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_K_LANES(float, float, 8, 3), and registered under the matching name
-// "moe_xpu::moe_gemm_k_lanes<float, float, 8, 3>".
+// MOE_XPU_INSTANTIATE_K_LANES(float, float, 8, 3, false), and registered under the matching name
+// "moe_xpu::moe_gemm_k_lanes<float, float, 8, 3, false>".
 #define MOE_XPU_KERNEL_PARAMS(T, TOut)                                                         \
   const T*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t,         \
       const void*, int, const float*
-#define MOE_XPU_INSTANTIATE_K_LANES(T, TOut, TM, TN) \
-  template void moe_xpu::moe_gemm_k_lanes<T, TOut, TM, TN>(MOE_XPU_KERNEL_PARAMS(T, TOut));
+#define MOE_XPU_INSTANTIATE_K_LANES(T, TOut, TM, TN, GATED) \
+  template void moe_xpu::moe_gemm_k_lanes<T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(T, TOut));
 #define MOE_XPU_INSTANTIATE_N_LANES(T, TOut, TM, TN) \
   template void moe_xpu::moe_gemm_n_lanes<T, TOut, TM, TN>(MOE_XPU_KERNEL_PARAMS(T, TOut));
