@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from moe_xpu import _runtime, torch_fallback
-from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args
+from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args, launch
 
 #: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
 #: skipped and contributes nothing. Any other id outside [0, num_experts) is an error.
@@ -144,7 +144,6 @@ def _k_contiguous(w: torch.Tensor) -> torch.Tensor:
 
 def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
                     gate_up_bias, down_bias):
-    C = _runtime.sycl_module()
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
@@ -155,11 +154,13 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
 
     # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
     # Locals keep every tensor the kernels read alive until the launches are done.
+    # h is float32: the second GEMM reads it as float A (no widening in its k loop), both
+    # launches share one compiled kernel bundle, and h is not rounded to 16 bits.
     w_gate_up, w_down = _k_contiguous(gate_up_proj), _k_contiguous(down_proj)
-    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
     args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
     args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
-    C.moe_gemm(args)
+    launch(args, x)
 
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -167,7 +168,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
     args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
     args.row_weight = weights.data_ptr()
-    C.moe_gemm(args)
+    launch(args, h)
     return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)
 
 

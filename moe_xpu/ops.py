@@ -147,11 +147,12 @@ def gemm_args(
     E, K, N = b.shape
     args = C.GemmArgs()
     args.queue = _runtime.queue_address(a.device)
-    args.dtype = _launcher_dtype(a.dtype)
+    args.dtype = args.a_dtype = _launcher_dtype(b.dtype)
     args.out_dtype = _launcher_dtype(out.dtype)
     args.a = a.data_ptr()
     args.a_row_stride = a.stride(0)
     args.a_rows = a.shape[0]
+    args.a_dtype = _launcher_dtype(a.dtype)
     if gather_index is not None:
         args.gather_index = gather_index.data_ptr()
         args.gather_is_int64 = gather_index.dtype == torch.int64
@@ -175,6 +176,18 @@ def gemm_args(
     return args
 
 
+def launch(args, a: torch.Tensor) -> None:
+    """Launches the grouped GEMM described by ``args`` (from ``gemm_args``; ``a`` is its A).
+    When the planned kernel is faster with float32 A (16-bit inputs on tiles of several rows,
+    where A is re-read for every column tile but each B value serves a whole row tile), A is
+    widened once here, one pass over A, and the k loop converts only B."""
+    C = _runtime.sycl_module()
+    if a.dtype != torch.float32 and C.plan_gemm(args).widen_a:
+        a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
+        args.a_dtype, args.a, args.a_row_stride = _launcher_dtype(a.dtype), a.data_ptr(), a.stride(0)
+    C.moe_gemm(args)
+
+
 def kernel_ready(a, b, group_offsets, gather_index, bias):
     """Copies only what the kernel cannot read in place: a needs unit stride along K, b needs
     unit stride along K (nn.Linear weights transposed) or along N (a contiguous [E, K, N])."""
@@ -195,7 +208,7 @@ def _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype):
     a, b, group_offsets, gather_index, bias = kernel_ready(a, b, group_offsets, gather_index, bias)
     rows = a.shape[0] if gather_index is None else gather_index.shape[0]
     out = torch.empty(rows, b.shape[2], dtype=out_dtype, device=a.device)
-    _runtime.sycl_module().moe_gemm(gemm_args(a, b, group_offsets, gather_index, bias, out))
+    launch(gemm_args(a, b, group_offsets, gather_index, bias, out), a)
     return out
 
 

@@ -21,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("queue", &GemmArgs::queue)
       .def_readwrite("dtype", &GemmArgs::dtype)
+      .def_readwrite("a_dtype", &GemmArgs::a_dtype)
       .def_readwrite("out_dtype", &GemmArgs::out_dtype)
       .def_readwrite("a", &GemmArgs::a)
       .def_readwrite("a_row_stride", &GemmArgs::a_row_stride)
@@ -55,7 +56,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tile_m", &moe_xpu::LaunchPlan::tile_m)
       .def_readonly("tile_n", &moe_xpu::LaunchPlan::tile_n)
       .def_readonly("num_workers", &moe_xpu::LaunchPlan::num_workers)
-      .def_readonly("work_group_size", &moe_xpu::LaunchPlan::work_group_size);
+      .def_readonly("work_group_size", &moe_xpu::LaunchPlan::work_group_size)
+      .def_readonly("widen_a", &moe_xpu::LaunchPlan::widen_a);
 
   py::class_<moe_xpu::DeviceInfo>(m, "DeviceInfo")
       .def_readonly("name", &moe_xpu::DeviceInfo::name)

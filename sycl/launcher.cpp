@@ -89,14 +89,22 @@ TileShape choose_tile(Family f, double rows_per_group) {
   return family_tiles(f)[rows_per_group <= 2.0 ? 0 : 1];
 }
 
-std::string kernel_name(Family f, DType t, DType out, TileShape s) {
-  std::ostringstream name;
-  name << "moe_xpu::moe_gemm_" << (f == Family::n_lanes ? "n" : "k") << "_lanes<" << type_name(t)
-       << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
-  if (f != Family::n_lanes) name << ", " << (f == Family::k_lanes_gated ? "true" : "false");
-  name << ">";
-  return name.str();
+// The template arguments of one kernel variant, as written in its name and its instantiation.
+std::string template_args(Family f, DType a, DType t, DType out, TileShape s) {
+  std::ostringstream args;
+  if (f != Family::n_lanes) args << type_name(a) << ", ";
+  args << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+  if (f != Family::n_lanes) args << ", " << (f == Family::k_lanes_gated ? "true" : "false");
+  return args.str();
 }
+
+std::string kernel_name(Family f, DType a, DType t, DType out, TileShape s) {
+  return std::string("moe_xpu::moe_gemm_") + (f == Family::n_lanes ? "n" : "k") + "_lanes<" +
+         template_args(f, a, t, out, s) + ">";
+}
+
+// K-split kernels of 16-bit B are also compiled with float A (see LaunchPlan::widen_a).
+bool has_float_a_variant(Family f, DType t) { return f != Family::n_lanes && t != DType::float32; }
 
 struct Bundle {
   std::unordered_map<std::string, sycl::kernel> kernels;
@@ -141,11 +149,13 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   std::ostringstream inst;
   for (Family f : {Family::k_lanes, Family::k_lanes_gated, Family::n_lanes})
     for (TileShape s : family_tiles(f)) {
-      names.push_back(kernel_name(f, t, out, s));
-      inst << (f == Family::n_lanes ? "MOE_XPU_INSTANTIATE_N_LANES(" : "MOE_XPU_INSTANTIATE_K_LANES(")
-           << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
-      if (f != Family::n_lanes) inst << ", " << (f == Family::k_lanes_gated ? "true" : "false");
-      inst << ")\n";
+      std::vector<DType> a_types{t};
+      if (has_float_a_variant(f, t)) a_types.push_back(DType::float32);
+      for (DType a : a_types) {
+        names.push_back(kernel_name(f, a, t, out, s));
+        inst << (f == Family::n_lanes ? "MOE_XPU_INSTANTIATE_N_LANES(" : "MOE_XPU_INSTANTIATE_K_LANES(")
+             << template_args(f, a, t, out, s) << ")\n";
+      }
     }
   source += inst.str();
 
@@ -209,7 +219,13 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   const std::int64_t compute_units = dev.get_info<sycl::info::device::max_compute_units>();
   const std::int64_t lanes = 16;
   LaunchPlan plan;
-  plan.kernel_name = kernel_name(family, args.dtype, args.out_dtype, shape);
+  if (args.a_dtype != args.dtype &&
+      (args.a_dtype != DType::float32 || !has_float_a_variant(family, args.dtype)))
+    throw std::invalid_argument(
+        "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
+  plan.kernel_name = kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape);
+  plan.widen_a = args.a_dtype != DType::float32 && has_float_a_variant(family, args.dtype) &&
+                 shape.tile_m > 1;
   plan.tile_m = shape.tile_m;
   plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, a few per core so the runtime's thread pool can balance;

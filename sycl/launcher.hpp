@@ -15,7 +15,8 @@ enum class DType : int { float32 = 0, float16 = 1, bfloat16 = 2 };
 // addresses, strides are in elements. Filled in by the Python op layer.
 struct GemmArgs {
   std::uintptr_t queue = 0;  // address of a sycl::queue; 0 = the SYCL CPU device queue
-  DType dtype = DType::float32;
+  DType dtype = DType::float32;      // of B (and bias)
+  DType a_dtype = DType::float32;    // of A: dtype, or float32 with 16-bit B (see LaunchPlan)
   DType out_dtype = DType::float32;
   std::uintptr_t a = 0;
   std::int64_t a_row_stride = 0;
@@ -64,6 +65,9 @@ struct LaunchPlan {
   int tile_n = 0;  // columns per worker tile
   std::int64_t num_workers = 0;
   std::int64_t work_group_size = 0;
+  // The planned kernel runs faster with A in float32 (16-bit A, K-contiguous B, tiles of several
+  // rows): the caller may pass a float32 copy of A with a_dtype = float32.
+  bool widen_a = false;
 };
 
 LaunchPlan plan_gemm(const GemmArgs& args);
@@ -75,7 +79,8 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false);
 void moe_gemm(const GemmArgs& args);
 DeviceInfo device_info(std::uintptr_t queue);
 bool cpu_device_available();
-// Builds (or loads from the persistent cache) every kernel of one dtype pair; returns seconds.
+// Builds (or loads from the persistent cache) every kernel of one dtype pair (B dtype, output
+// dtype; with both A dtypes); returns seconds.
 double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype);
 const char* kernel_source();
 

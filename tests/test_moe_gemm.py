@@ -278,3 +278,54 @@ def test_empty_k_gives_bias_only():
     out = moe_xpu.moe_gemm(torch.randn(5, 0), torch.randn(2, 0, 3), torch.tensor([2, 4]), bias=bias)
     assert torch.equal(out[:2], bias[0].expand(2, 3)) and torch.equal(out[2:4], bias[1].expand(2, 3))
     assert not out[4].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_a_with_16bit_b_at_every_k_split_tile(dtype):
+    """16-bit B with A widened to float32 (what ``ops.launch`` passes on tall tiles, and what the
+    fused block's second GEMM reads) at every K-split tile shape, against float64."""
+    C = _runtime.sycl_module()
+    if C is None:
+        pytest.skip("SYCL launcher not built")
+    T, E, K, N = 29, 3, 83, 41
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, "linear")
+    offs = offsets([10, 0, 15])
+    a32 = a.float()  # the kernel sees exactly the 16-bit values, widened
+    for tile_m, tile_n in C.tile_shapes(True):
+        out = torch.empty(T, N)
+        args = ops.gemm_args(a32, b, offs, None, None, out)
+        assert args.a_dtype != args.dtype
+        args.tile_m, args.tile_n = tile_m, tile_n
+        C.moe_gemm(args)
+        assert_matches_reference(out, a, b, offs, out_dtype=torch.float32)
+
+
+def test_plan_widens_a_only_where_it_pays():
+    C = _runtime.sycl_module()
+    if C is None:
+        pytest.skip("SYCL launcher not built")
+
+    def plan(dtype, rows_per_group, layout="linear"):
+        E, K, N = 4, 64, 32
+        a = torch.randn(E * rows_per_group, K, dtype=dtype)
+        b = make_b(E, K, N, dtype, layout)
+        out = torch.empty(a.shape[0], N, dtype=dtype)
+        return C.plan_gemm(ops.gemm_args(a, b, offsets([rows_per_group] * E), None, None, out))
+
+    assert plan(torch.bfloat16, 16).widen_a  # tall tiles re-read A for every column tile
+    assert plan(torch.float16, 16).widen_a
+    assert not plan(torch.bfloat16, 1).widen_a  # decode: one row per tile, nothing to gain
+    assert not plan(torch.float32, 16).widen_a
+    assert not plan(torch.bfloat16, 16, "kn").widen_a  # the N-split kernel reads A as scalars
+
+
+def test_float_a_needs_k_contiguous_16bit_b():
+    C = _runtime.sycl_module()
+    if C is None:
+        pytest.skip("SYCL launcher not built")
+    a = torch.randn(8, 16)
+    b = make_b(2, 16, 8, torch.bfloat16, "kn")
+    out = torch.empty(8, 8)
+    with pytest.raises(ValueError, match="float32 with 16-bit B contiguous along K"):
+        C.plan_gemm(ops.gemm_args(a, b, offsets([4, 4]), None, None, out))

@@ -74,15 +74,30 @@ inline void for_each_group(const void* group_offsets, int offsets_is64, int64_t 
   }
 }
 
-// Cost of a work unit in row-tile equivalents: its row tiles plus one for streaming its B slice.
-constexpr int64_t kUnitStreamCost = 1;
+// What a work unit costs, in vector-FMA issue slots per k step: each of its row tiles issues
+// row_tile FMAs, and reading its B slice from memory takes `stream` (see unit_cost).
+struct UnitCost {
+  int64_t row_tile;
+  int64_t stream;
+};
+
+// Unit costs of a kernel whose row tiles are TM x TN vectors of B elements of type T. A k step
+// reads TN vectors of 16 B elements (16 * sizeof(T) bytes each) and issues TM * TN FMAs. A CPU
+// core streams about 4.5 bytes per cycle from memory and issues 2 vector FMAs per cycle, so a
+// column's read costs 16 * sizeof(T) / 4.5 * 2 ~ 7 * sizeof(T) FMA slots: a decode unit (1 x 8,
+// float) is almost all streaming, a prefill row tile (8 x 3) costs about what its B read does.
+// Weighing both keeps workers balanced when experts hold very different numbers of rows.
+template <typename T, int TM, int TN>
+constexpr UnitCost unit_cost() {
+  return UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * int64_t(sizeof(T))};
+}
 
 // Calls tile(g, row_begin, rows, m_tile, n_tile) for every row tile of every work unit this worker
 // owns. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
 // tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
 // ordered group by group, column tile by column tile, and each worker owns the units that start
-// in its equal share of the total cost: balanced however skewed the routing (a popular expert's
-// units hold more row tiles and so count for more), and consecutive units of a worker read
+// in its equal share of the total cost (row tiles plus B streaming, see UnitCost): balanced
+// however skewed the routing, and consecutive units of a worker read
 // adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
 // offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
 // offsets can never address memory out of range (the host validates them where it can do so
@@ -91,11 +106,14 @@ template <typename TileFn>
 inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void* group_offsets,
                                 int offsets_is64, int64_t num_groups, int64_t out_rows,
                                 int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
-                                TileFn&& tile) {
+                                UnitCost unit, TileFn&& tile) {
+  // The tail group only stores zeros: a row tile costs one slot and there is no B to stream.
+  auto row_tile_cost = [&](int64_t g) { return g < num_groups ? unit.row_tile : int64_t(1); };
+  auto stream_cost = [&](int64_t g) { return g < num_groups ? unit.stream : int64_t(0); };
   int64_t total = 0;
   for_each_group(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
-                 [&](int64_t, int64_t, int64_t, int64_t tiles_m, int64_t blocks_m) {
-                   total += tiles_n * (tiles_m + blocks_m * kUnitStreamCost);
+                 [&](int64_t g, int64_t, int64_t, int64_t tiles_m, int64_t blocks_m) {
+                   total += tiles_n * (tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g));
                    return true;
                  });
   const int64_t first = total * worker / num_workers;
@@ -104,7 +122,7 @@ inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void*
   for_each_group(
       group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
       [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m) {
-        const int64_t per_column = tiles_m + blocks_m * kUnitStreamCost;
+        const int64_t per_column = tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g);
         const int64_t base = group_cost_base;
         group_cost_base += tiles_n * per_column;
         if (per_column == 0 || base + tiles_n * per_column <= first) return true;
@@ -117,7 +135,7 @@ inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void*
             if (cost >= first && cost < last)
               for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile)
                 tile(g, row_begin, row_end - row_begin, m_tile, n_tile);
-            cost += (m_last - m_first) + kUnitStreamCost;
+            cost += (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
           }
         }
         return group_cost_base < last;
@@ -200,20 +218,21 @@ inline RowTarget row_target(const void* scatter_index, int scatter_is64, const f
   return RowTarget{row, row_weight == nullptr ? 1.0f : row_weight[row]};
 }
 
-// The K-split kernel's arguments, handed to its row-tile bodies in one piece.
-template <typename T, typename TOut>
+// The K-split kernel's arguments, handed to its row-tile bodies in one piece. A may be wider than
+// B (float A with 16-bit B: the launcher's caller widened A once, so the k loop converts only B).
+template <typename TA, typename T, typename TOut>
 struct KLanesArgs {
-  const T* a; int64_t a_row_stride; int64_t a_rows; const void* gather_index; int gather_is64;
+  const TA* a; int64_t a_row_stride; int64_t a_rows; const void* gather_index; int gather_is64;
   const T* b; int64_t b_stride_e; int64_t b_stride_n; const T* bias; int64_t bias_stride_e;
   TOut* out; int64_t out_row_stride; int64_t out_rows; int64_t K; int64_t N; int activation;
   int64_t up_offset; const void* scatter_index; int scatter_is64; const float* row_weight;
 };
 
 // One R x TN tile of the K-split kernel at rows m0 .. m0 + valid_rows - 1 of group g.
-template <int R, int TN, bool Gated, typename T, typename TOut>
-inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t g,
+template <int R, int TN, bool Gated, typename TA, typename T, typename TOut>
+inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int64_t g,
                          int64_t num_groups, int64_t m0, int64_t valid_rows, int64_t n_tile) {
-  const T* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
+  const TA* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
   const void* gather_index = p.gather_index; const int gather_is64 = p.gather_is64;
   const T* b = p.b; const int64_t b_stride_e = p.b_stride_e, b_stride_n = p.b_stride_n;
   const T* bias = p.bias; const int64_t bias_stride_e = p.bias_stride_e;
@@ -239,7 +258,7 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
     #pragma unroll
     for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
   if (g < num_groups) {
-    const T* a_row[R];
+    const TA* a_row[R];
     #pragma unroll
     for (int i = 0; i < R; ++i) {  // rows past the group repeat its last row; not stored
       const int64_t m = m0 + (i < valid_rows ? i : valid_rows - 1);
@@ -338,11 +357,13 @@ inline void k_lanes_tile(const KLanesArgs<T, TOut>& p, const Worker& w, int64_t 
 // Gated kernels (activation != kNone, even TN) are separate instantiations: each kernel holds one
 // epilogue, so every loop over the accumulators has a fixed trip count and they stay in
 // registers (a kernel holding both grew large enough that the CPU compiler outlined and
-// de-vectorized it).
-template <typename T, typename TOut, int TM, int TN, bool Gated>
+// de-vectorized it). TA, the type of A, is T or (for 16-bit T) float: A is re-read for every
+// column tile while each B value serves a whole row tile, so for tall tiles a float copy of A
+// made once per call leaves only B to widen in the k loop.
+template <typename TA, typename T, typename TOut, int TM, int TN, bool Gated>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
-void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                       int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_n,
                       const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                       int64_t out_rows, const void* group_offsets, int offsets_is64,
@@ -350,13 +371,14 @@ void moe_gemm_k_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       const void* scatter_index, int scatter_is64, const float* row_weight) {
   static_assert(!Gated || TN % 2 == 0, "gated tiles pair gate and up columns");
   const Worker w = this_worker();
-  const KLanesArgs<T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
+  const KLanesArgs<TA, T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
                               b_stride_n, bias, bias_stride_e, out, out_row_stride, out_rows, K, N,
                               activation, up_offset, scatter_index, scatter_is64, row_weight};
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   for_each_owned_tile(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      unit_cost<T, TM, TN>(),
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
         const int64_t m0 = row_begin + m_tile * TM;
         const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
@@ -391,6 +413,7 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
   const int64_t tiles_n = (N + tile_n - 1) / tile_n;
   for_each_owned_tile(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      unit_cost<T, TM, TN>(),
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
         const int64_t m0 = row_begin + m_tile * TM;
         int64_t col[TN];
@@ -446,13 +469,13 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_K_LANES(float, float, 8, 3, false), and registered under the matching name
-// "moe_xpu::moe_gemm_k_lanes<float, float, 8, 3, false>".
-#define MOE_XPU_KERNEL_PARAMS(T, TOut)                                                         \
-  const T*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
+// MOE_XPU_INSTANTIATE_K_LANES(float, uint16_t, float, 8, 3, false), and registered under the
+// matching name "moe_xpu::moe_gemm_k_lanes<float, uint16_t, float, 8, 3, false>".
+#define MOE_XPU_KERNEL_PARAMS(TA, T, TOut)                                                      \
+  const TA*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t,         \
       const void*, int, const float*
-#define MOE_XPU_INSTANTIATE_K_LANES(T, TOut, TM, TN, GATED) \
-  template void moe_xpu::moe_gemm_k_lanes<T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(T, TOut));
+#define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED) \
+  template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
 #define MOE_XPU_INSTANTIATE_N_LANES(T, TOut, TM, TN) \
-  template void moe_xpu::moe_gemm_n_lanes<T, TOut, TM, TN>(MOE_XPU_KERNEL_PARAMS(T, TOut));
+  template void moe_xpu::moe_gemm_n_lanes<T, TOut, TM, TN>(MOE_XPU_KERNEL_PARAMS(T, T, TOut));
