@@ -92,8 +92,9 @@ constexpr UnitCost unit_cost() {
   return UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * int64_t(sizeof(T))};
 }
 
-// Calls tile(g, row_begin, rows, m_tile, n_tile) for every row tile of every work unit this worker
-// owns. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
+// Calls unit(g, row_begin, rows, m_first, m_last, n_tile) for every work unit this worker owns:
+// row tiles [m_first, m_last) of group g (rows [row_begin, row_begin + rows)) at column tile
+// n_tile. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
 // tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
 // ordered group by group, column tile by column tile, and each worker owns the units that start
 // in its equal share of the total cost (row tiles plus B streaming, see UnitCost): balanced
@@ -102,14 +103,14 @@ constexpr UnitCost unit_cost() {
 // offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
 // offsets can never address memory out of range (the host validates them where it can do so
 // without a synchronisation).
-template <typename TileFn>
-inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void* group_offsets,
+template <typename UnitFn>
+inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void* group_offsets,
                                 int offsets_is64, int64_t num_groups, int64_t out_rows,
                                 int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
-                                UnitCost unit, TileFn&& tile) {
+                                UnitCost cost_of, UnitFn&& unit) {
   // The tail group only stores zeros: a row tile costs one slot and there is no B to stream.
-  auto row_tile_cost = [&](int64_t g) { return g < num_groups ? unit.row_tile : int64_t(1); };
-  auto stream_cost = [&](int64_t g) { return g < num_groups ? unit.stream : int64_t(0); };
+  auto row_tile_cost = [&](int64_t g) { return g < num_groups ? cost_of.row_tile : int64_t(1); };
+  auto stream_cost = [&](int64_t g) { return g < num_groups ? cost_of.stream : int64_t(0); };
   int64_t total = 0;
   for_each_group(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
                  [&](int64_t g, int64_t, int64_t, int64_t tiles_m, int64_t blocks_m) {
@@ -132,9 +133,7 @@ inline void for_each_owned_tile(int64_t worker, int64_t num_workers, const void*
           for (int64_t block = 0; block < blocks_m; ++block) {
             const int64_t m_first = block * tiles_per_unit;
             const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
-            if (cost >= first && cost < last)
-              for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile)
-                tile(g, row_begin, row_end - row_begin, m_tile, n_tile);
+            if (cost >= first && cost < last) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
             cost += (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
           }
         }
@@ -376,29 +375,35 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                               activation, up_offset, scatter_index, scatter_is64, row_weight};
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
-  for_each_owned_tile(
+  for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       unit_cost<T, TM, TN>(),
-      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
-        const int64_t m0 = row_begin + m_tile * TM;
-        const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
-        // A group's last row tile is often short (always, for experts with a row or two under
-        // skewed routing): run it with a shorter compiled tile instead of computing padding.
-        // (Only for tiles taller than 4: pairing a 1-row variant with the 4-row tile measured
-        // several times slower on the CPU device.)
-        if (TM > 4 && valid == 1)
-          k_lanes_tile<1, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
-        else if (TM > 4 && valid <= 4)
-          k_lanes_tile<(TM > 4 ? 4 : TM), TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
-        else
-          k_lanes_tile<TM, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+          // A group's last row tile is often short (always, for experts with a row or two under
+          // skewed routing): run it with a shorter compiled tile instead of computing padding.
+          // (Only for tiles taller than 4: pairing a 1-row variant with the 4-row tile measured
+          // several times slower on the CPU device.)
+          if (TM > 4 && valid == 1)
+            k_lanes_tile<1, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
+          else if (TM > 4 && valid <= 4)
+            k_lanes_tile<(TM > 4 ? 4 : TM), TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
+          else
+            k_lanes_tile<TM, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
+        }
       });
 }
 
 // Variant for B stored with N contiguous (b_stride_n == 1), e.g. a contiguous [E, K, N]
 // tensor. The 16 lanes split N: lane l owns columns n0 + l + 16 * j; A values are uniform
-// across the sub-group.
-template <typename T, typename TOut, int TM, int TN>
+// across the sub-group. A row tile streams K rows of a B slice 16 * TN columns wide (768 KB for
+// float, K = 2048, TN = 6): too large to stay in L1 between the row tiles of a unit. With
+// KChunk > 0 the unit walks K in chunks of KChunk instead: every row tile runs the chunk while its
+// slice of B (KChunk x 16 * TN) stays in L1, and keeps its partial sums in work-group local memory
+// in between (one sub-group per work-group). KChunk = 0: the whole K per row tile, registers only.
+template <typename T, typename TOut, int TM, int TN, int KChunk>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
 void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -408,61 +413,98 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
                       int64_t num_groups, int64_t K, int64_t N, int /*activation: k_lanes only*/,
                       int64_t /*up_offset*/, const void* scatter_index, int scatter_is64,
                       const float* row_weight) {
+  constexpr int kTileElems = TM * TN * kLanes;  // one row tile's partial sums, lane-major
+  constexpr int64_t kTilesPerUnit = kUnitRows / TM;
+  float* partial = nullptr;  // [kTilesPerUnit][TM][TN][16]
+  if constexpr (KChunk > 0)
+    partial = *sycl::ext::oneapi::group_local_memory_for_overwrite<float[kTilesPerUnit * kTileElems]>(
+        sycl::ext::oneapi::this_work_item::get_work_group<1>());
   const Worker w = this_worker();
   const int64_t tile_n = int64_t(kLanes) * TN;
   const int64_t tiles_n = (N + tile_n - 1) / tile_n;
-  for_each_owned_tile(
-      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+  const int64_t chunk = KChunk > 0 ? KChunk : (K > 0 ? K : 1);
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kTilesPerUnit, tiles_n,
       unit_cost<T, TM, TN>(),
-      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_tile, int64_t n_tile) {
-        const int64_t m0 = row_begin + m_tile * TM;
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
         int64_t col[TN];
+        #pragma unroll
         for (int j = 0; j < TN; ++j) col[j] = n_tile * tile_n + w.lane + int64_t(kLanes) * j;
-        float acc[TM][TN];
-        for (int i = 0; i < TM; ++i)
-          for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
-        if (g < num_groups) {
-          const T* a_row[TM];
-          for (int i = 0; i < TM; ++i) {
-            const int64_t m = m0 + (i < rows - m_tile * TM ? i : rows - 1 - m_tile * TM);
-            a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
-          }
-          const T* b_g = b + g * b_stride_e;
-          if (n_tile * tile_n + tile_n <= N) {  // full tile: unclamped, consecutive addresses
-            const T* b_lane = b_g + n_tile * tile_n + w.lane;
-            for (int64_t k = 0; k < K; ++k) {
-              const T* b_k = b_lane + k * b_stride_k;
-              float bv[TN];
-              for (int j = 0; j < TN; ++j) bv[j] = to_float(b_k[kLanes * j]);
-              for (int i = 0; i < TM; ++i) {
-                const float av = to_float(a_row[i][k]);
-                for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+        const bool full_tile = n_tile * tile_n + tile_n <= N;
+        const T* b_g = b + g * b_stride_e;
+        const int64_t k_steps = g < num_groups ? K : 0;  // the tail group only stores zeros
+        for (int64_t k_begin = 0; k_begin < (k_steps > 0 ? k_steps : 1); k_begin += chunk) {
+          const int64_t k_end = k_begin + chunk < k_steps ? k_begin + chunk : k_steps;
+          const bool last_chunk = k_end == k_steps;
+          for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+            const int64_t m0 = row_begin + m_tile * TM;
+            float* saved = KChunk > 0 ? partial + (m_tile - m_first) * kTileElems + w.lane : nullptr;
+            float acc[TM][TN];
+            #pragma unroll
+            for (int i = 0; i < TM; ++i)
+              #pragma unroll
+              for (int j = 0; j < TN; ++j) acc[i][j] = KChunk > 0 && k_begin > 0 ? saved[(i * TN + j) * kLanes] : 0.0f;
+            const T* a_row[TM];
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+              const int64_t m = m0 + (i < rows - m_tile * TM ? i : rows - 1 - m_tile * TM);
+              a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+            }
+            if (full_tile) {  // unclamped, consecutive addresses
+              const T* b_lane = b_g + n_tile * tile_n + w.lane;
+              for (int64_t k = k_begin; k < k_end; ++k) {
+                const T* b_k = b_lane + k * b_stride_k;
+                float bv[TN];
+                #pragma unroll
+                for (int j = 0; j < TN; ++j) bv[j] = to_float(b_k[kLanes * j]);
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                  const float av = to_float(a_row[i][k]);
+                  #pragma unroll
+                  for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+                }
+              }
+            } else {
+              const T* b_col[TN];
+              #pragma unroll
+              for (int j = 0; j < TN; ++j) b_col[j] = b_g + (col[j] < N ? col[j] : N - 1);
+              for (int64_t k = k_begin; k < k_end; ++k) {
+                float bv[TN];
+                #pragma unroll
+                for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k * b_stride_k]);
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                  const float av = to_float(a_row[i][k]);
+                  #pragma unroll
+                  for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+                }
               }
             }
-          } else {
-            const T* b_col[TN];
-            for (int j = 0; j < TN; ++j) b_col[j] = b_g + (col[j] < N ? col[j] : N - 1);
-            for (int64_t k = 0; k < K; ++k) {
-              float bv[TN];
-              for (int j = 0; j < TN; ++j) bv[j] = to_float(b_col[j][k * b_stride_k]);
-              for (int i = 0; i < TM; ++i) {
-                const float av = to_float(a_row[i][k]);
-                for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+            if (!last_chunk) {
+              #pragma unroll
+              for (int i = 0; i < TM; ++i)
+                #pragma unroll
+                for (int j = 0; j < TN; ++j) saved[(i * TN + j) * kLanes] = acc[i][j];
+              continue;
+            }
+            if (g < num_groups && bias != nullptr) {
+              #pragma unroll
+              for (int j = 0; j < TN; ++j) {
+                const float bj = to_float(bias[g * bias_stride_e + (col[j] < N ? col[j] : N - 1)]);
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) acc[i][j] += bj;
               }
             }
+            #pragma unroll
+            for (int i = 0; i < TM; ++i)
+              #pragma unroll
+              for (int j = 0; j < TN; ++j)
+                if (m_tile * TM + i < rows && col[j] < N) {
+                  const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+                  out[t.row * out_row_stride + col[j]] = FromFloat<TOut>::convert(acc[i][j] * t.weight);
+                }
           }
-          if (bias != nullptr)
-            for (int j = 0; j < TN; ++j) {
-              const float bj = to_float(bias[g * bias_stride_e + (col[j] < N ? col[j] : N - 1)]);
-              for (int i = 0; i < TM; ++i) acc[i][j] += bj;
-            }
         }
-        for (int i = 0; i < TM; ++i)
-          for (int j = 0; j < TN; ++j)
-            if (m_tile * TM + i < rows && col[j] < N) {
-              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-              out[t.row * out_row_stride + col[j]] = FromFloat<TOut>::convert(acc[i][j] * t.weight);
-            }
       });
 }
 
@@ -477,5 +519,5 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
       const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
-#define MOE_XPU_INSTANTIATE_N_LANES(T, TOut, TM, TN) \
-  template void moe_xpu::moe_gemm_n_lanes<T, TOut, TM, TN>(MOE_XPU_KERNEL_PARAMS(T, T, TOut));
+#define MOE_XPU_INSTANTIATE_N_LANES(T, TOut, TM, TN, KCHUNK) \
+  template void moe_xpu::moe_gemm_n_lanes<T, TOut, TM, TN, KCHUNK>(MOE_XPU_KERNEL_PARAMS(T, T, TOut));
