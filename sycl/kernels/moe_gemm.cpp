@@ -511,8 +511,8 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_K_LANES(float, uint16_t, float, 8, 3, false), and registered under the
-// matching name "moe_xpu::moe_gemm_k_lanes<float, uint16_t, float, 8, 3, false>".
+// MOE_XPU_INSTANTIATE_K_LANES(float, uint16_t, float, 6, 4, false), and registered under the
+// matching name "moe_xpu::moe_gemm_k_lanes<float, uint16_t, float, 6, 4, false>".
 #define MOE_XPU_KERNEL_PARAMS(TA, T, TOut)                                                      \
   const TA*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t,         \
