@@ -195,6 +195,29 @@ def test_forced_tiles_and_worker_counts_agree(layout):
             assert torch.equal(out, first), "worker count must not change the result"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_skewed_groups_split_over_workers(layout):
+    """A popular expert spanning several row blocks beside tiny ones, at worker counts that cut
+    the unit list in many places: every worker range boundary must cover each unit once."""
+    C = _runtime.sycl_module()
+    if C is None:
+        pytest.skip("SYCL launcher not built")
+    T, E, K, N = 400, 6, 40, 75
+    a = torch.randn(T, K)
+    b = make_b(E, K, N, torch.float32, layout)
+    offs = offsets([1, 311, 0, 2, 5, 70])  # 389 rows; the last 11 rows are the zeroed tail
+    a_, b_, offs_, _, _ = ops.kernel_ready(a, b, offs, None, None)
+    first = None
+    for workers in [1, 2, 3, 7, 13, 64, 1000]:
+        out = torch.full((T, N), float("nan"))
+        args = ops.gemm_args(a_, b_, offs_, None, None, out)
+        args.num_workers = workers
+        C.moe_gemm(args)
+        assert_matches_reference(out, a, b, offs)
+        first = out if first is None else first
+        assert torch.equal(out, first), "worker count must not change the result"
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_forced_gated_tiles_and_worker_counts_agree(activation):
     """The gated-epilogue kernels (fused_moe's first GEMM) at every compiled tile shape:

@@ -96,10 +96,10 @@ constexpr UnitCost unit_cost() {
 // row tiles [m_first, m_last) of group g (rows [row_begin, row_begin + rows)) at column tile
 // n_tile. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
 // tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
-// ordered group by group, column tile by column tile, and each worker owns the units that start
-// in its equal share of the total cost (row tiles plus B streaming, see UnitCost): balanced
-// however skewed the routing, and consecutive units of a worker read
-// adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
+// ordered group by group, row block by row block, column tile by column tile, and each worker
+// owns the units that start in its equal share of the total cost (row tiles plus B streaming,
+// see UnitCost): balanced however skewed the routing. A worker's consecutive units share their
+// rows of A and read adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
 // offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
 // offsets can never address memory out of range (the host validates them where it can do so
 // without a synchronisation).
@@ -123,19 +123,25 @@ inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void*
   for_each_group(
       group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
       [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m) {
-        const int64_t per_column = tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g);
         const int64_t base = group_cost_base;
-        group_cost_base += tiles_n * per_column;
-        if (per_column == 0 || base + tiles_n * per_column <= first) return true;
-        for (int64_t n_tile = first > base ? (first - base) / per_column : 0; n_tile < tiles_n; ++n_tile) {
-          int64_t cost = base + n_tile * per_column;  // start cost of the column's first unit
-          if (cost >= last) return false;
-          for (int64_t block = 0; block < blocks_m; ++block) {
-            const int64_t m_first = block * tiles_per_unit;
-            const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
-            if (cost >= first && cost < last) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
-            cost += (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
+        group_cost_base += tiles_n * (tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g));
+        if (group_cost_base <= first) return true;
+        // Row block by row block, each across all column tiles: a worker's consecutive units
+        // share their rows of A (kept in cache) and read adjacent slices of B.
+        int64_t block_base = base;
+        for (int64_t block = 0; block < blocks_m; ++block) {
+          const int64_t m_first = block * tiles_per_unit;
+          const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
+          const int64_t unit_cost = (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
+          const int64_t block_end = block_base + tiles_n * unit_cost;
+          if (block_end > first) {
+            for (int64_t n_tile = first > block_base ? (first - block_base) / unit_cost : 0; n_tile < tiles_n; ++n_tile) {
+              const int64_t cost = block_base + n_tile * unit_cost;  // the unit's start
+              if (cost >= last) return false;
+              if (cost >= first) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
+            }
           }
+          block_base = block_end;
         }
         return group_cost_base < last;
       });
