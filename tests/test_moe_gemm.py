@@ -19,6 +19,15 @@ LAYOUTS = ["kn", "linear"]  # contiguous [E, K, N]; nn.Linear weights [E, N, K] 
 BACKENDS = ["sycl", "torch"]
 
 
+@pytest.fixture
+def C():
+    """The launcher module, for tests that drive it directly (tile and worker overrides)."""
+    module = _runtime.sycl_module()
+    if module is None:
+        pytest.skip("SYCL launcher not built")
+    return module
+
+
 def make_b(E, K, N, dtype, layout):
     if layout == "kn":
         return torch.randn(E, K, N, dtype=dtype)
@@ -170,11 +179,8 @@ def test_many_experts_and_large_problem():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_forced_tiles_and_worker_counts_agree(layout):
+def test_forced_tiles_and_worker_counts_agree(layout, C):
     """Every compiled tile shape and odd worker counts produce the reference result."""
-    C = _runtime.sycl_module()
-    if C is None:
-        pytest.skip("SYCL launcher not built")
     T, E, K, N = 45, 5, 70, 90
     a = torch.randn(T, K)
     b = make_b(E, K, N, torch.float32, layout)
@@ -196,12 +202,9 @@ def test_forced_tiles_and_worker_counts_agree(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_skewed_groups_split_over_workers(layout):
+def test_skewed_groups_split_over_workers(layout, C):
     """A popular expert spanning several row blocks beside tiny ones, at worker counts that cut
     the unit list in many places: every worker range boundary must cover each unit once."""
-    C = _runtime.sycl_module()
-    if C is None:
-        pytest.skip("SYCL launcher not built")
     T, E, K, N = 400, 6, 40, 75
     a = torch.randn(T, K)
     b = make_b(E, K, N, torch.float32, layout)
@@ -219,12 +222,9 @@ def test_skewed_groups_split_over_workers(layout):
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_forced_gated_tiles_and_worker_counts_agree(activation):
+def test_forced_gated_tiles_and_worker_counts_agree(activation, C):
     """The gated-epilogue kernels (fused_moe's first GEMM) at every compiled tile shape:
     out[:, n] = act(x @ b[:, n]) * (x @ b[:, n + I]), rows read through the index table."""
-    C = _runtime.sycl_module()
-    if C is None:
-        pytest.skip("SYCL launcher not built")
     from moe_xpu.fused import ACTIVATIONS
 
     T, E, K, I = 23, 4, 37, 19
@@ -304,12 +304,9 @@ def test_empty_k_gives_bias_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_float_a_with_16bit_b_at_every_k_split_tile(dtype):
+def test_float_a_with_16bit_b_at_every_k_split_tile(dtype, C):
     """16-bit B with A widened to float32 (what ``ops.launch`` passes on tall tiles, and what the
     fused block's second GEMM reads) at every K-split tile shape, against float64."""
-    C = _runtime.sycl_module()
-    if C is None:
-        pytest.skip("SYCL launcher not built")
     T, E, K, N = 29, 3, 83, 41
     a = torch.randn(T, K, dtype=dtype)
     b = make_b(E, K, N, dtype, "linear")
@@ -324,10 +321,7 @@ def test_float_a_with_16bit_b_at_every_k_split_tile(dtype):
         assert_matches_reference(out, a, b, offs, out_dtype=torch.float32)
 
 
-def test_plan_widens_a_only_where_it_pays():
-    C = _runtime.sycl_module()
-    if C is None:
-        pytest.skip("SYCL launcher not built")
+def test_plan_widens_a_only_where_it_pays(C):
 
     def plan(dtype, rows_per_group, layout="linear"):
         E, K, N = 4, 64, 32
@@ -343,10 +337,7 @@ def test_plan_widens_a_only_where_it_pays():
     assert not plan(torch.bfloat16, 16, "kn").widen_a  # the N-split kernel reads A as scalars
 
 
-def test_float_a_needs_k_contiguous_16bit_b():
-    C = _runtime.sycl_module()
-    if C is None:
-        pytest.skip("SYCL launcher not built")
+def test_float_a_needs_k_contiguous_16bit_b(C):
     a = torch.randn(8, 16)
     b = make_b(2, 16, 8, torch.bfloat16, "kn")
     out = torch.empty(8, 8)
