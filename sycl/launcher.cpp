@@ -65,10 +65,11 @@ constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
 // {6, 4} otherwise (3-7% faster than {8, 3} and {4, 6} in float32 at 16 and 64 rows per expert,
 // equal in bfloat16); its short last row tiles run 1- and 4-row variants compiled into the same
 // kernel, which measured faster than a separate 4-row tile shape. N-split (n_lanes): wide tiles
-// so each k-step reads a long contiguous piece of a B row: {1, 12} decode, {4, 6} otherwise.
-// The first shape of each list is the decode shape.
+// so each k-step reads a long contiguous piece of a B row: {1, 12} decode, {2, 8} otherwise
+// ({4, 6} spilled three accumulators; {2, 8} measured 1.27x faster in bfloat16 at 16 rows per
+// expert, equal in float32). The first shape of each list is the decode shape.
 constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
-constexpr TileShape kNLanesTiles[] = {{1, 12}, {4, 6}};
+constexpr TileShape kNLanesTiles[] = {{1, 12}, {2, 8}};
 
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
 // is gated.
@@ -100,8 +101,7 @@ int n_lanes_k_chunk(bool cpu, TileShape s) { return cpu && s.tile_m > 1 ? 64 : 0
 // The template arguments of one kernel variant, as written in its name and its instantiation.
 std::string template_args(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
   std::ostringstream args;
-  if (f != Family::n_lanes) args << type_name(a) << ", ";
-  args << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+  args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
   if (f != Family::n_lanes) args << ", " << (f == Family::k_lanes_gated ? "true" : "false");
   else args << ", " << n_lanes_k_chunk(cpu, s);
   return args.str();
@@ -112,8 +112,10 @@ std::string kernel_name(Family f, DType a, DType t, DType out, TileShape s, bool
          template_args(f, a, t, out, s, cpu) + ">";
 }
 
-// K-split kernels of 16-bit B are also compiled with float A (see LaunchPlan::widen_a).
-bool has_float_a_variant(Family f, DType t) { return f != Family::n_lanes && t != DType::float32; }
+// K-split kernels of 16-bit B are also compiled with float A (see LaunchPlan::widen_a), at every
+// tile: the fused MoE's second GEMM reads its float32 h at any tile. (The N-split kernel reads A
+// as one broadcast scalar per row and k step; float A measured no faster there.)
+bool has_float_a_variant(Family f, DType t) { return t != DType::float32 && f != Family::n_lanes; }
 
 struct Bundle {
   std::unordered_map<std::string, sycl::kernel> kernels;
@@ -227,13 +229,12 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   const std::int64_t compute_units = dev.get_info<sycl::info::device::max_compute_units>();
   const std::int64_t lanes = 16;
   LaunchPlan plan;
-  if (args.a_dtype != args.dtype &&
-      (args.a_dtype != DType::float32 || !has_float_a_variant(family, args.dtype)))
+  const bool float_a_compiled = has_float_a_variant(family, args.dtype);
+  if (args.a_dtype != args.dtype && (args.a_dtype != DType::float32 || !float_a_compiled))
     throw std::invalid_argument(
         "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
   plan.kernel_name = kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, is_cpu(q));
-  plan.widen_a = args.a_dtype != DType::float32 && has_float_a_variant(family, args.dtype) &&
-                 shape.tile_m > 1;
+  plan.widen_a = args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
   plan.tile_m = shape.tile_m;
   plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, a few per core so the runtime's thread pool can balance;

@@ -334,7 +334,7 @@ def test_plan_widens_a_only_where_it_pays(C):
     assert plan(torch.float16, 16).widen_a
     assert not plan(torch.bfloat16, 1).widen_a  # decode: one row per tile, nothing to gain
     assert not plan(torch.float32, 16).widen_a
-    assert not plan(torch.bfloat16, 16, "kn").widen_a  # the N-split kernel reads A as scalars
+    assert not plan(torch.bfloat16, 16, "kn").widen_a  # the N-split kernel broadcasts A
 
 
 def test_float_a_needs_k_contiguous_16bit_b(C):
@@ -343,3 +343,18 @@ def test_float_a_needs_k_contiguous_16bit_b(C):
     out = torch.empty(8, 8)
     with pytest.raises(ValueError, match="float32 with 16-bit B contiguous along K"):
         C.plan_gemm(ops.gemm_args(a, b, offsets([4, 4]), None, None, out))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_kn_16bit_full_and_partial_tiles(dtype, offset):
+    """[E, K, N] weights in 16 bits on the N-split kernel's tall tile: full column tiles (bf16
+    reads them as column pairs when rows are 4-byte aligned, offset 0; element-wise otherwise),
+    a partial last tile, several K chunks and a K remainder."""
+    T, E, K, N = 60, 3, 150, 300
+    a = torch.randn(T, K, dtype=dtype)
+    storage = torch.randn(E * K * (N + offset) + offset, dtype=dtype)
+    b = storage[offset:offset + E * K * (N + offset)].view(E, K, N + offset)[:, :, :N]
+    offs = offsets([20, 0, 33])
+    out = moe_xpu.moe_gemm(a, b, offs)
+    assert_matches_reference(out, a, b, offs)

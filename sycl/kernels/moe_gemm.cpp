@@ -409,10 +409,13 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
 // KChunk > 0 the unit walks K in chunks of KChunk instead: every row tile runs the chunk while its
 // slice of B (KChunk x 16 * TN) stays in L1, and keeps its partial sums in work-group local memory
 // in between (one sub-group per work-group). KChunk = 0: the whole K per row tile, registers only.
-template <typename T, typename TOut, int TM, int TN, int KChunk>
+// bf16 B with 4-byte aligned rows is read as 32-bit words holding two adjacent columns, each
+// widened with one integer op (lane l then owns columns n0 + 32 * v + 2 * l + {0, 1}). TA is
+// A's type (the launcher compiles TA = T only; see has_float_a_variant).
+template <typename TA, typename T, typename TOut, int TM, int TN, int KChunk>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
-void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                       int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_k,
                       const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                       int64_t out_rows, const void* group_offsets, int offsets_is64,
@@ -429,14 +432,21 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
   const int64_t tile_n = int64_t(kLanes) * TN;
   const int64_t tiles_n = (N + tile_n - 1) / tile_n;
   const int64_t chunk = KChunk > 0 ? KChunk : (K > 0 ? K : 1);
+  // Word reads of bf16 pairs: B rows 4-byte aligned (tile starts are even columns).
+  constexpr bool kPairType = std::is_same_v<T, uint16_t> && TN % 2 == 0;
+  const bool pairs = kPairType && (reinterpret_cast<uintptr_t>(b) & 3) == 0 &&
+                     (b_stride_e | b_stride_k) % 2 == 0;
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kTilesPerUnit, tiles_n,
       unit_cost<T, TM, TN>(),
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
-        int64_t col[TN];
-        #pragma unroll
-        for (int j = 0; j < TN; ++j) col[j] = n_tile * tile_n + w.lane + int64_t(kLanes) * j;
         const bool full_tile = n_tile * tile_n + tile_n <= N;
+        const bool pair_tile = pairs && full_tile;
+        int64_t col[TN];  // the output column behind accumulator column j
+        #pragma unroll
+        for (int j = 0; j < TN; ++j)
+          col[j] = n_tile * tile_n + (pair_tile ? 2 * (kLanes * (j / 2) + w.lane) + j % 2
+                                                : w.lane + int64_t(kLanes) * j);
         const T* b_g = b + g * b_stride_e;
         const int64_t k_steps = g < num_groups ? K : 0;  // the tail group only stores zeros
         for (int64_t k_begin = 0; k_begin < (k_steps > 0 ? k_steps : 1); k_begin += chunk) {
@@ -450,13 +460,37 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
             for (int i = 0; i < TM; ++i)
               #pragma unroll
               for (int j = 0; j < TN; ++j) acc[i][j] = KChunk > 0 && k_begin > 0 ? saved[(i * TN + j) * kLanes] : 0.0f;
-            const T* a_row[TM];
+            const TA* a_row[TM];
             #pragma unroll
             for (int i = 0; i < TM; ++i) {
               const int64_t m = m0 + (i < rows - m_tile * TM ? i : rows - 1 - m_tile * TM);
               a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
             }
-            if (full_tile) {  // unclamped, consecutive addresses
+            if constexpr (kPairType) {
+              if (pair_tile) {
+                const uint32_t* b_words =
+                    reinterpret_cast<const uint32_t*>(b_g + n_tile * tile_n) + w.lane;
+                for (int64_t k = k_begin; k < k_end; ++k) {
+                  const uint32_t* b_k = b_words + k * (b_stride_k / 2);
+                  float bv[TN];
+                  #pragma unroll
+                  for (int v = 0; v < TN / 2; ++v) {
+                    const uint32_t word = b_k[kLanes * v];
+                    bv[2 * v] = sycl::bit_cast<float>(word << 16);
+                    bv[2 * v + 1] = sycl::bit_cast<float>(word & 0xffff0000u);
+                  }
+                  #pragma unroll
+                  for (int i = 0; i < TM; ++i) {
+                    const float av = to_float(a_row[i][k]);
+                    #pragma unroll
+                    for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
+                  }
+                }
+              }
+            }
+            if (pair_tile) {
+              // done above
+            } else if (full_tile) {  // unclamped, consecutive addresses
               const T* b_lane = b_g + n_tile * tile_n + w.lane;
               for (int64_t k = k_begin; k < k_end; ++k) {
                 const T* b_k = b_lane + k * b_stride_k;
@@ -525,5 +559,5 @@ void moe_gemm_n_lanes(const T* a, int64_t a_row_stride, int64_t a_rows, const vo
       const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
-#define MOE_XPU_INSTANTIATE_N_LANES(T, TOut, TM, TN, KCHUNK) \
-  template void moe_xpu::moe_gemm_n_lanes<T, TOut, TM, TN, KCHUNK>(MOE_XPU_KERNEL_PARAMS(T, T, TOut));
+#define MOE_XPU_INSTANTIATE_N_LANES(TA, T, TOut, TM, TN, KCHUNK) \
+  template void moe_xpu::moe_gemm_n_lanes<TA, T, TOut, TM, TN, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
