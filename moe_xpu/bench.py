@@ -1,9 +1,11 @@
-"""python -m moe_xpu.bench {gemm,moe}: moe_xpu beside its peers, in one process, on the same inputs.
+"""python -m moe_xpu.bench {gemm,moe,skew}: moe_xpu beside its peers, in one process, on the same inputs.
 
 gemm: moe_gemm beside F.grouped_mm and a per-expert loop of torch.mm.
 moe:  fused_moe beside transformers' eager and grouped_mm experts backends (a MixtralExperts
       module) and an unfused moe_xpu pipeline (copy tokens into expert order, moe_gemm,
       activation, moe_gemm, weighted sum).
+skew: moe_gemm and fused_moe with Zipf-skewed expert popularity beside uniform routing (same
+      rows, same touched experts), timed round-robin: the zipf / uniform time ratio.
 
 For every case and dtype it prints the median time of moe_xpu.moe_gemm, F.grouped_mm and a
 per-expert loop of torch.mm, their GFLOP/s, moe_xpu's speed-up over each peer, and the share of
@@ -116,22 +118,46 @@ def measure_ceilings(repeats: int) -> Ceilings:
     return Ceilings(gflops, read_gbs)
 
 
+def zipf_counts(counts: torch.Tensor, cap: int | None = None) -> torch.Tensor:
+    """Rows per expert with the same total and the same touched experts as ``counts``, but
+    popularity skewed (Zipf, s=1.2, in expert order: the first touched expert takes about a third
+    of the rows). ``cap`` bounds any expert's rows (a fused MoE routes a token to an expert once)."""
+    touched = (counts > 0).nonzero().flatten()
+    weights = 1.0 / torch.arange(1, touched.numel() + 1, dtype=torch.float64) ** 1.2
+    extra = int(counts.sum()) - touched.numel()  # every touched expert keeps at least one row
+    share = torch.floor(weights / weights.sum() * extra).to(torch.int64)
+    share[0] += extra - int(share.sum())
+    skewed = 1 + share
+    if cap is not None:  # move the excess down the popularity order
+        for i in range(skewed.numel() - 1):
+            if skewed[i] > cap:
+                skewed[i + 1] += skewed[i] - cap
+                skewed[i] = cap
+    out = torch.zeros_like(counts)
+    out[touched] = skewed
+    return out
+
+
 def routed_offsets(case: GemmCase, generator: torch.Generator, routing: str = "uniform") -> torch.Tensor:
     """Cumulative rows per expert (int32). uniform: tokens routed top-k by random logits.
-    zipf: the same number of rows and the same touched experts, but expert popularity skewed
-    (Zipf, s=1.2: the most popular expert takes about a third of the rows)."""
+    zipf: the same number of rows and the same touched experts, popularity skewed (zipf_counts)."""
     logits = torch.randn(case.tokens, case.experts, generator=generator)
     ids = logits.topk(case.top_k, dim=1).indices.flatten()
     counts = torch.bincount(ids, minlength=case.experts)
     if routing == "zipf":
-        touched = (counts > 0).nonzero().flatten()
-        weights = 1.0 / torch.arange(1, touched.numel() + 1, dtype=torch.float64) ** 1.2
-        extra = case.rows - touched.numel()  # every touched expert keeps at least one row
-        share = torch.floor(weights / weights.sum() * extra).to(torch.int64)
-        share[0] += extra - int(share.sum())
-        counts = torch.zeros_like(counts)
-        counts[touched] = 1 + share
+        counts = zipf_counts(counts)
     return counts.cumsum(0).to(torch.int32)
+
+
+def skewed_topk_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """topk_ids [T, k] with the same touched experts and rows as ``ids`` but Zipf-skewed
+    popularity, each token still routed to k distinct experts (so no expert exceeds T rows)."""
+    T, k = ids.shape
+    counts = zipf_counts(torch.bincount(ids.flatten(), minlength=num_experts), cap=T)
+    flat = torch.repeat_interleave(torch.arange(num_experts), counts)  # T * k expert ids
+    # Position p goes to token p % T, slot p // T: an expert's consecutive positions (at most T)
+    # land on distinct tokens.
+    return flat.view(k, T).t().contiguous()
 
 
 def per_expert_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -263,6 +289,41 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int) -> list[Row]:
     return rows
 
 
+def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int) -> None:
+    """moe_gemm and fused_moe under Zipf-skewed routing beside uniform routing with the same rows
+    and touched experts, timed round-robin in one process (the issue-4 bar: at most 1.15x)."""
+    print(f"Zipf-skewed vs uniform routing, same rows and touched experts, median of {repeats}, round-robin")
+    header = f"{'op':<10} {'case':<11} {'dtype':<9} {'uniform ms':>11} {'zipf ms':>9} {'zipf / uniform':>15} {'top expert rows':>16}"
+    print(header)
+    print("-" * len(header))
+    gen = torch.Generator().manual_seed(0)
+    for case in gemm_cases:
+        offsets = {r: routed_offsets(case, torch.Generator().manual_seed(1), r) for r in ("uniform", "zipf")}
+        top = int(torch.diff(offsets["zipf"], prepend=offsets["zipf"].new_zeros(1)).max())
+        for dtype in dtypes:
+            a = torch.randn(case.rows, case.K, generator=gen).to(dtype)
+            b = torch.randn(case.experts, case.N, case.K, generator=gen).to(dtype).transpose(1, 2)
+            t = median_times({r: (lambda o=o: moe_xpu.moe_gemm(a, b, o)) for r, o in offsets.items()}, repeats)
+            print(f"{'moe_gemm':<10} {case.name:<11} {str(dtype).removeprefix('torch.'):<9} "
+                  f"{t['uniform'] * 1e3:>11.2f} {t['zipf'] * 1e3:>9.2f} {t['zipf'] / t['uniform']:>14.2f}x "
+                  f"{top:>9} of {case.rows}")
+    for case in moe_cases:
+        logits = torch.randn(case.tokens, case.experts, generator=gen)
+        weights, ids = logits.softmax(-1).topk(case.top_k, dim=1)
+        routed = {"uniform": ids, "zipf": skewed_topk_ids(ids, case.experts)}
+        top = int(torch.bincount(routed["zipf"].flatten()).max())
+        for dtype in dtypes:
+            x = torch.randn(case.tokens, case.H, generator=gen).to(dtype)
+            gate_up = (torch.randn(case.experts, 2 * case.I, case.H, generator=gen) * 0.02).to(dtype)
+            down = (torch.randn(case.experts, case.H, case.I, generator=gen) * 0.02).to(dtype)
+            w = weights.to(dtype)
+            t = median_times({r: (lambda i=i: moe_xpu.fused_moe(x, gate_up, down, w, i)) for r, i in routed.items()},
+                             repeats)
+            print(f"{'fused_moe':<10} {case.name:<11} {str(dtype).removeprefix('torch.'):<9} "
+                  f"{t['uniform'] * 1e3:>11.2f} {t['zipf'] * 1e3:>9.2f} {t['zipf'] / t['uniform']:>14.2f}x "
+                  f"{top:>9} of {case.tokens * case.top_k}")
+
+
 def print_table(rows: list[Row], title: str) -> None:
     print(title)
     header = f"{'case':<11} {'dtype':<9} {'impl':<16} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
@@ -319,7 +380,7 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_xpu.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe"])
+    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew"])
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--cases", default="decode,prefill,64tok-E64,16tok-E8")
     parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
@@ -333,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     wanted = args.cases.split(",")
     print(f"machine: {machine_line()}")
+    if args.suite == "skew":
+        bench_skew([c for c in GEMM_CASES if c.name in wanted], [c for c in MOE_CASES if c.name in wanted],
+                   dtypes, args.repeats)
+        return 0
     ceilings = measure_ceilings(args.repeats)
     print(f"ceilings: compute {ceilings.gflops:.0f} GFLOP/s (float32 torch.mm 4096^3), "
           f"memory read {ceilings.read_gbs:.1f} GB/s (sum over a tensor 4x the last-level cache)")

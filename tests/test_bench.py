@@ -1,0 +1,30 @@
+"""The benchmark's routing generators: skewed routing must keep what the comparison holds fixed."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_xpu import bench
+
+
+def test_zipf_counts_keep_rows_and_touched_experts():
+    counts = torch.tensor([3, 0, 5, 1, 0, 7, 2, 2])
+    skewed = bench.zipf_counts(counts)
+    assert int(skewed.sum()) == int(counts.sum())
+    assert torch.equal(skewed > 0, counts > 0)
+    assert int(skewed.max()) >= int(counts.sum()) // 4  # the most popular expert dominates
+    capped = bench.zipf_counts(counts, cap=4)
+    assert int(capped.sum()) == int(counts.sum()) and int(capped.max()) <= 4
+    assert torch.equal(capped > 0, counts > 0)
+
+
+def test_skewed_topk_ids_route_each_token_to_distinct_experts():
+    gen = torch.Generator().manual_seed(0)
+    T, E, k = 64, 64, 8
+    ids = torch.randn(T, E, generator=gen).topk(k, dim=1).indices
+    skewed = bench.skewed_topk_ids(ids, E)
+    assert skewed.shape == ids.shape
+    assert all(row.unique().numel() == k for row in skewed)
+    assert torch.equal(skewed.unique(), ids.unique())
+    top = int(torch.bincount(skewed.flatten()).max())
+    assert top == T  # capped at one slot per token, and the skew reaches the cap
