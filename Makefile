@@ -35,6 +35,7 @@ test: setup
 bench: setup
 	$(PY) -m moe_xpu.bench gemm --plot bench_out/gemm.png
 	$(PY) -m moe_xpu.bench moe --plot bench_out/moe.png
+	$(PY) -m moe_xpu.bench skew
 
 info: setup
 	$(PY) -m moe_xpu info
