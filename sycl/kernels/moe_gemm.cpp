@@ -21,6 +21,7 @@
 // are bitwise reproducible.
 #include <sycl/sycl.hpp>
 #include <cstdint>
+#include <type_traits>
 
 namespace syclexp = sycl::ext::oneapi::experimental;
 
@@ -85,7 +86,8 @@ struct UnitCost {
 // reads TN vectors of 16 B elements (16 * sizeof(T) bytes each) and issues TM * TN FMAs. A CPU
 // core streams about 4.5 bytes per cycle from memory and issues 2 vector FMAs per cycle, so a
 // column's read costs 16 * sizeof(T) / 4.5 * 2 ~ 7 * sizeof(T) FMA slots: a decode unit (1 x 8,
-// float) is almost all streaming, a prefill row tile (8 x 3) costs about what its B read does.
+// float: 8 vs 224) is almost all streaming; a float prefill unit of three 6 x 4 row tiles (72)
+// costs about two thirds of its B read (112).
 // Weighing both keeps workers balanced when experts hold very different numbers of rows.
 template <typename T, int TM, int TN>
 constexpr UnitCost unit_cost() {
