@@ -247,8 +247,17 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   const std::int64_t subgroups_per_wg = is_cpu(q) ? 1 : 4;
   const std::int64_t workers_per_cu = is_cpu(q) ? 16 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
-  std::int64_t workers = args.num_workers > 0 ? args.num_workers : compute_units * workers_per_cu;
-  // Never more workers than there can be work units (see for_each_owned_tile in the kernel: a
+  std::int64_t workers = compute_units * workers_per_cu;
+  if (is_cpu(q)) {
+    // Starting a work-group costs the CPU runtime a few microseconds: a tiny problem (a small
+    // model's decode step) gets one worker per ~4 MFLOP of work, at least one per core (a
+    // 1 MFLOP launch: 173 us with 32 workers, 75 us with 2).
+    const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
+    const std::int64_t by_work = static_cast<std::int64_t>(flops / 4.0e6) + 1;
+    workers = std::min(workers, std::max(compute_units, by_work));
+  }
+  if (args.num_workers > 0) workers = args.num_workers;
+  // Never more workers than there can be work units (see for_each_owned_unit in the kernel: a
   // unit covers up to kUnitRows rows of one group; every group may add one partial unit).
   const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
   const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;

@@ -358,3 +358,18 @@ def test_kn_16bit_full_and_partial_tiles(dtype, offset):
     offs = offsets([20, 0, 33])
     out = moe_xpu.moe_gemm(a, b, offs)
     assert_matches_reference(out, a, b, offs)
+
+
+def test_worker_count_follows_compute_units_and_work(C):
+    """Workers come from the device's compute units; a tiny launch gets one per compute unit
+    (starting work-groups would cost more than the work), a large one several per unit."""
+    cus = C.device_info(0).compute_units
+
+    def workers(rows, K, N):
+        a = torch.randn(rows, K)
+        b = make_b(4, K, N, torch.float32, "linear")
+        out = torch.empty(rows, N)
+        return C.plan_gemm(ops.gemm_args(a, b, offsets([rows // 4] * 4), None, None, out)).num_workers
+
+    assert workers(4, 64, 64) == cus
+    assert workers(1024, 1024, 1024) > cus
