@@ -490,6 +490,8 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                 }
               }
             }
+            // (The pair loop stands in its own `if constexpr` block above: folded into this chain
+            // it measured about 10% slower on the CPU device.)
             if (pair_tile) {
               // done above
             } else if (full_tile) {  // unclamped, consecutive addresses
