@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import moe_xpu
 from moe_xpu import _runtime
+from moe_xpu.fused import weighted_slot_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,15 @@ class Row:
     speedup: float  # moe_xpu time advantage: peer time / moe_xpu time (1.0 for moe_xpu itself)
 
 
+def gemm_inputs(case: GemmCase, dtype: torch.dtype, gen: torch.Generator, layout: str):
+    """A [rows, K] and B [E, K, N] of a case: nn.Linear weights [E, N, K] seen as [E, K, N]
+    (layout "linear") or a contiguous [E, K, N] ("kn")."""
+    a = torch.randn(case.rows, case.K, generator=gen).to(dtype)
+    if layout == "linear":
+        return a, torch.randn(case.experts, case.N, case.K, generator=gen).to(dtype).transpose(1, 2)
+    return a, torch.randn(case.experts, case.K, case.N, generator=gen).to(dtype)
+
+
 def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, routing: str) -> list[Row]:
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
@@ -189,11 +199,7 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, rou
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
         touched = int((counts > 0).sum())
         for dtype in dtypes:
-            a = torch.randn(case.rows, case.K, generator=gen).to(dtype)
-            if layout == "linear":  # nn.Linear weights [E, N, K], seen as [E, K, N]
-                b = torch.randn(case.experts, case.N, case.K, generator=gen).to(dtype).transpose(1, 2)
-            else:
-                b = torch.randn(case.experts, case.K, case.N, generator=gen).to(dtype)
+            a, b = gemm_inputs(case, dtype, gen, layout)
             esize = a.element_size()
             flops = 2 * case.rows * case.K * case.N
             bytes_read = touched * case.K * case.N * esize + case.rows * case.K * esize
@@ -233,16 +239,13 @@ MOE_CASES = [
 def unfused_moe_pipeline(x, gate_up, down, weights, ids):
     """The same kernels without fusion: tokens copied into expert order, separate activation and
     weighted-sum passes."""
-    T, k = ids.shape
     I = gate_up.shape[1] // 2
     s = moe_xpu.sort_tokens(ids, gate_up.shape[0])
     rows = x[s.gather_index]  # the copy fused_moe avoids
     h = moe_xpu.moe_gemm(rows, gate_up.transpose(1, 2), s.group_offsets)
     h = F.silu(h[:, :I]) * h[:, I:]
     y = moe_xpu.moe_gemm(h, down.transpose(1, 2), s.group_offsets, out_dtype=torch.float32)
-    per_slot = torch.empty(T * k, x.shape[1], dtype=torch.float32)
-    per_slot[s.scatter_index] = y * weights.reshape(-1).float()[s.scatter_index, None]
-    return per_slot.view(T, k, -1).sum(1).to(x.dtype)
+    return weighted_slot_sum(y, s.scatter_index, weights, x.dtype)
 
 
 def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int) -> list[Row]:
@@ -296,17 +299,19 @@ def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int) -> None:
     header = f"{'op':<10} {'case':<11} {'dtype':<9} {'uniform ms':>11} {'zipf ms':>9} {'zipf / uniform':>15} {'top expert rows':>16}"
     print(header)
     print("-" * len(header))
+
+    def line(op, case_name, dtype, t, top, rows):
+        print(f"{op:<10} {case_name:<11} {str(dtype).removeprefix('torch.'):<9} {t['uniform'] * 1e3:>11.2f} "
+              f"{t['zipf'] * 1e3:>9.2f} {t['zipf'] / t['uniform']:>14.2f}x {top:>9} of {rows}")
+
     gen = torch.Generator().manual_seed(0)
     for case in gemm_cases:
         offsets = {r: routed_offsets(case, torch.Generator().manual_seed(1), r) for r in ("uniform", "zipf")}
         top = int(torch.diff(offsets["zipf"], prepend=offsets["zipf"].new_zeros(1)).max())
         for dtype in dtypes:
-            a = torch.randn(case.rows, case.K, generator=gen).to(dtype)
-            b = torch.randn(case.experts, case.N, case.K, generator=gen).to(dtype).transpose(1, 2)
+            a, b = gemm_inputs(case, dtype, gen, "linear")
             t = median_times({r: (lambda o=o: moe_xpu.moe_gemm(a, b, o)) for r, o in offsets.items()}, repeats)
-            print(f"{'moe_gemm':<10} {case.name:<11} {str(dtype).removeprefix('torch.'):<9} "
-                  f"{t['uniform'] * 1e3:>11.2f} {t['zipf'] * 1e3:>9.2f} {t['zipf'] / t['uniform']:>14.2f}x "
-                  f"{top:>9} of {case.rows}")
+            line("moe_gemm", case.name, dtype, t, top, case.rows)
     for case in moe_cases:
         logits = torch.randn(case.tokens, case.experts, generator=gen)
         weights, ids = logits.softmax(-1).topk(case.top_k, dim=1)
@@ -319,9 +324,7 @@ def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int) -> None:
             w = weights.to(dtype)
             t = median_times({r: (lambda i=i: moe_xpu.fused_moe(x, gate_up, down, w, i)) for r, i in routed.items()},
                              repeats)
-            print(f"{'fused_moe':<10} {case.name:<11} {str(dtype).removeprefix('torch.'):<9} "
-                  f"{t['uniform'] * 1e3:>11.2f} {t['zipf'] * 1e3:>9.2f} {t['zipf'] / t['uniform']:>14.2f}x "
-                  f"{top:>9} of {case.tokens * case.top_k}")
+            line("fused_moe", case.name, dtype, t, top, case.tokens * case.top_k)
 
 
 def print_table(rows: list[Row], title: str) -> None:

@@ -95,6 +95,18 @@ def sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> SortedTokens:
     return SortedTokens(*_sort_tokens_op(topk_ids, num_experts))
 
 
+def weighted_slot_sum(rows: torch.Tensor, scatter_index: torch.Tensor,
+                      topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Combines expert-ordered rows [T*k, H] (from ``sort_tokens``' order) into [T, H]: each row
+    times its top-k weight, placed at its (token, slot), then summed over slots in slot order
+    (float32, no atomics). The unfused paths' counterpart of the second launch's epilogue."""
+    T, k = topk_weights.shape
+    weights = topk_weights.reshape(-1).float()[scatter_index]
+    per_slot = torch.empty(T * k, rows.shape[1], dtype=torch.float32, device=rows.device)
+    per_slot[scatter_index] = rows.float() * weights[:, None]  # a permutation: no collisions
+    return per_slot.view(T, k, -1).sum(dim=1).to(out_dtype)
+
+
 def check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                              activation, gate_up_bias, down_bias) -> None:
     for name, t in (("hidden_states", hidden_states), ("gate_up_proj", gate_up_proj),

@@ -147,7 +147,7 @@ def gemm_args(
     E, K, N = b.shape
     args = C.GemmArgs()
     args.queue = _runtime.queue_address(a.device)
-    args.dtype = args.a_dtype = _launcher_dtype(b.dtype)
+    args.dtype = _launcher_dtype(b.dtype)
     args.out_dtype = _launcher_dtype(out.dtype)
     args.a = a.data_ptr()
     args.a_row_stride = a.stride(0)

@@ -76,6 +76,12 @@ constexpr TileShape kNLanesTiles[] = {{1, 24}, {2, 8}};
 // is gated.
 enum class Family { k_lanes, k_lanes_gated, n_lanes };
 
+Family family_of(bool k_lanes, bool gated) {
+  if (gated && !k_lanes)
+    throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
+  return !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
+}
+
 std::vector<TileShape> family_tiles(Family f) {
   switch (f) {
     case Family::k_lanes:
@@ -195,11 +201,8 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
 }  // namespace
 
 std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated) {
-  if (gated && !k_lanes)
-    throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
   std::vector<std::pair<int, int>> shapes;
-  const Family f = !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
-  for (TileShape s : family_tiles(f)) shapes.emplace_back(s.tile_m, s.tile_n);
+  for (TileShape s : family_tiles(family_of(k_lanes, gated))) shapes.emplace_back(s.tile_m, s.tile_n);
   return shapes;
 }
 
@@ -208,13 +211,12 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
     throw std::invalid_argument("moe_xpu: b must be contiguous along K or along N");
   sycl::queue& q = queue_for(args.queue);
   const bool k_lanes = args.b_stride_k == 1;
+  const bool cpu = is_cpu(q);
   const double rows_per_group =
       args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
 
   const bool gated = args.activation != 0;
-  if (gated && !k_lanes)
-    throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
-  const Family family = !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
+  const Family family = family_of(k_lanes, gated);
   TileShape shape = choose_tile(family, rows_per_group);
   if (args.tile_m != 0 || args.tile_n != 0) {
     bool found = false;
@@ -234,7 +236,7 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   if (args.a_dtype != args.dtype && (args.a_dtype != DType::float32 || !float_a_compiled))
     throw std::invalid_argument(
         "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
-  plan.kernel_name = kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, is_cpu(q));
+  plan.kernel_name = kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, cpu);
   plan.widen_a = args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
   plan.tile_m = shape.tile_m;
   plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
@@ -244,11 +246,11 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   // GPU: 4 sub-groups per work-group and enough of them to fill every Xe core's threads.
   // (One sub-group per work-group on the CPU is also what the N-split kernel's K chunks assume:
   // they keep one sub-group's partial sums in the work-group's local memory.)
-  const std::int64_t subgroups_per_wg = is_cpu(q) ? 1 : 4;
-  const std::int64_t workers_per_cu = is_cpu(q) ? 16 : 32;
+  const std::int64_t subgroups_per_wg = cpu ? 1 : 4;
+  const std::int64_t workers_per_cu = cpu ? 16 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
   std::int64_t workers = compute_units * workers_per_cu;
-  if (is_cpu(q)) {
+  if (cpu) {
     // Starting a work-group costs the CPU runtime a few microseconds: a tiny problem (a small
     // model's decode step) gets one worker per ~4 MFLOP of work, at least one per core (a
     // 1 MFLOP launch: 173 us with 32 workers, 75 us with 2).

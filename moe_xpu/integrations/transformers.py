@@ -70,8 +70,6 @@ def _unfused_forward(module, hidden_states, top_k_index, top_k_weights):
             f"moe_xpu: expert parallelism is only supported for the standard experts layout, "
             f"not {type(module).__name__}'s"
         )
-    T, H = hidden_states.shape
-    k = top_k_index.shape[1]
     sorted_tokens = fused.sort_tokens(top_k_index, module.num_experts)
     first_bias, down_bias = _biases(module)
     w1 = module.gate_up_proj if module.has_gate else module.up_proj
@@ -84,10 +82,7 @@ def _unfused_forward(module, hidden_states, top_k_index, top_k_weights):
                      out_dtype=torch.float32 if hidden_states.dtype != torch.float32 else None)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y.to(hidden_states.dtype)).float()
-    weights = top_k_weights.reshape(-1).float()[sorted_tokens.scatter_index]
-    per_slot = torch.empty(T * k, H, dtype=torch.float32, device=hidden_states.device)
-    per_slot[sorted_tokens.scatter_index] = y * weights[:, None]  # a permutation: no collisions
-    return per_slot.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
+    return fused.weighted_slot_sum(y, sorted_tokens.scatter_index, top_k_weights, hidden_states.dtype)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

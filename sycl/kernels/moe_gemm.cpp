@@ -406,8 +406,8 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
 
 // Variant for B stored with N contiguous (b_stride_n == 1), e.g. a contiguous [E, K, N]
 // tensor. The 16 lanes split N: lane l owns columns n0 + l + 16 * j; A values are uniform
-// across the sub-group. A row tile streams K rows of a B slice 16 * TN columns wide (768 KB for
-// float, K = 2048, TN = 6): too large to stay in L1 between the row tiles of a unit. With
+// across the sub-group. A row tile streams K rows of a B slice 16 * TN columns wide (1 MB for
+// float, K = 2048, TN = 8): too large to stay in L1 between the row tiles of a unit. With
 // KChunk > 0 the unit walks K in chunks of KChunk instead: every row tile runs the chunk while its
 // slice of B (KChunk x 16 * TN) stays in L1, and keeps its partial sums in work-group local memory
 // in between (one sub-group per work-group). KChunk = 0: the whole K per row tile, registers only.
