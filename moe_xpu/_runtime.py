@@ -2,7 +2,9 @@
 
 The SYCL runtime reads its environment when it first loads, so the variables below are set
 before ``_C`` is imported: the OpenCL CPU driver shipped in the ``intel-opencl-rt`` wheel (its ICD
-file holds a placeholder path), and the runtime's persistent kernel cache.
+file holds a placeholder path), the runtime's persistent kernel cache, and on CPUs with AMX the
+OpenCL CPU compiler's target (its default target has no matrix engine; with this one the bf16
+matrix-engine kernels compile to AMX instructions).
 """
 
 from __future__ import annotations
@@ -19,12 +21,26 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "moe_xpu", "sycl")
 
 
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"amx_bf16", "amx_tile"} <= flags
+    except OSError:
+        pass
+    return False
+
+
 def _prepare_environment() -> None:
     ocl_cpu = Path(sys.prefix) / "lib" / "libintelocl.so"
     if ocl_cpu.exists():
         os.environ.setdefault("OCL_ICD_FILENAMES", str(ocl_cpu))
     os.environ.setdefault("SYCL_CACHE_PERSISTENT", "1")
     os.environ.setdefault("SYCL_CACHE_DIR", _default_cache_dir())
+    if _cpu_has_amx_bf16():
+        os.environ.setdefault("CL_CONFIG_CPU_TARGET_ARCH", "sapphirerapids")
 
 
 _prepare_environment()

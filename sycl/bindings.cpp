@@ -49,7 +49,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("row_weight", &GemmArgs::row_weight)
       .def_readwrite("tile_m", &GemmArgs::tile_m)
       .def_readwrite("tile_n", &GemmArgs::tile_n)
-      .def_readwrite("num_workers", &GemmArgs::num_workers);
+      .def_readwrite("num_workers", &GemmArgs::num_workers)
+      .def_readwrite("engine", &GemmArgs::engine);
 
   py::class_<moe_xpu::LaunchPlan>(m, "LaunchPlan")
       .def_readonly("kernel_name", &moe_xpu::LaunchPlan::kernel_name)
@@ -57,7 +58,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tile_n", &moe_xpu::LaunchPlan::tile_n)
       .def_readonly("num_workers", &moe_xpu::LaunchPlan::num_workers)
       .def_readonly("work_group_size", &moe_xpu::LaunchPlan::work_group_size)
-      .def_readonly("widen_a", &moe_xpu::LaunchPlan::widen_a);
+      .def_readonly("widen_a", &moe_xpu::LaunchPlan::widen_a)
+      .def_readonly("matrix_engine", &moe_xpu::LaunchPlan::matrix_engine);
 
   py::class_<moe_xpu::DeviceInfo>(m, "DeviceInfo")
       .def_readonly("name", &moe_xpu::DeviceInfo::name)
@@ -67,7 +69,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("sub_group_sizes", &moe_xpu::DeviceInfo::sub_group_sizes)
       .def_readonly("max_work_group_size", &moe_xpu::DeviceInfo::max_work_group_size)
       .def_readonly("local_mem_size", &moe_xpu::DeviceInfo::local_mem_size)
-      .def_readonly("is_cpu", &moe_xpu::DeviceInfo::is_cpu);
+      .def_readonly("is_cpu", &moe_xpu::DeviceInfo::is_cpu)
+      .def_readonly("matrix_engine", &moe_xpu::DeviceInfo::matrix_engine);
 
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());

@@ -2,6 +2,8 @@
 
 #include <sycl/sycl.hpp>
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -73,8 +75,9 @@ constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTiles[] = {{1, 24}, {2, 8}};
 
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
-// is gated.
-enum class Family { k_lanes, k_lanes_gated, n_lanes };
+// is gated; bf16 with K-contiguous B runs on the matrix engine where there is one (see
+// matrix_engine_available).
+enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated };
 
 Family family_of(bool k_lanes, bool gated) {
   if (gated && !k_lanes)
@@ -87,6 +90,9 @@ std::vector<TileShape> family_tiles(Family f) {
     case Family::k_lanes:
     case Family::k_lanes_gated: return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
     case Family::n_lanes: return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
+    // 16 tokens x 2 engine tiles of 16 weight rows (gated: one gate and one up tile).
+    case Family::matrix:
+    case Family::matrix_gated: return {TileShape{16, 2}};
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -94,10 +100,42 @@ std::vector<TileShape> family_tiles(Family f) {
 // Few rows per expert (decode): one row per tile so no work is spent on padding rows; many rows
 // (prefill): taller tiles reuse each loaded B value across more rows.
 TileShape choose_tile(Family f, double rows_per_group) {
-  return family_tiles(f)[rows_per_group <= 2.0 ? 0 : 1];
+  const std::vector<TileShape> tiles = family_tiles(f);
+  return tiles[rows_per_group <= 2.0 || tiles.size() == 1 ? 0 : 1];
 }
 
 bool is_cpu(const sycl::queue& q) { return q.get_device().is_cpu(); }
+
+// The CPU has AMX with bf16 (CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE) and the OS
+// saves its tile state (XCR0 bits 17 and 18).
+bool cpu_has_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 22) & 1u) || !((edx >> 24) & 1u)) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1u)) return false;  // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((lo >> 17) & 3u) == 3u;
+}
+
+// The OpenCL CPU compiler emits AMX instructions for joint_matrix only when told to target a CPU
+// that has them (CL_CONFIG_CPU_TARGET_ARCH, set by moe_xpu/_runtime.py before the runtime loads);
+// its default target has no matrix engine and aborts the process on joint_matrix code.
+// MOE_XPU_MATRIX_ENGINE=0 turns the matrix-engine kernels off. GPUs: not enabled yet (the XMX
+// path has not been run on hardware; see docs/gpu.md).
+bool matrix_engine_available(const sycl::queue& q) {
+  static const bool cpu_amx = [] {
+    const char* off = std::getenv("MOE_XPU_MATRIX_ENGINE");
+    if (off != nullptr && std::string(off) == "0") return false;
+    const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
+    if (arch == nullptr) return false;
+    const std::string a(arch);
+    const bool amx_target = a == "sapphirerapids" || a == "emeraldrapids" || a == "graniterapids" ||
+                            a == "graniterapids-d" || a == "diamondrapids";
+    return amx_target && cpu_has_amx_bf16();
+  }();
+  return is_cpu(q) && cpu_amx;
+}
 
 // The N-split kernel's K chunk (see moe_gemm_n_lanes): on the CPU device, tiles of several rows
 // walk K in chunks of 64 so the B slice stays in L1 (measured 1.85x faster at 16 rows per expert);
@@ -108,20 +146,30 @@ int n_lanes_k_chunk(bool cpu, TileShape s) { return cpu && s.tile_m > 1 ? 64 : 0
 // The template arguments of one kernel variant, as written in its name and its instantiation.
 std::string template_args(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
   std::ostringstream args;
+  if (f == Family::matrix || f == Family::matrix_gated) {
+    args << type_name(a) << ", " << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false");
+    return args.str();
+  }
   args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
   if (f != Family::n_lanes) args << ", " << (f == Family::k_lanes_gated ? "true" : "false");
   else args << ", " << n_lanes_k_chunk(cpu, s);
   return args.str();
 }
 
+bool is_matrix(Family f) { return f == Family::matrix || f == Family::matrix_gated; }
+
 std::string kernel_name(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
-  return std::string("moe_xpu::moe_gemm_") + (f == Family::n_lanes ? "n" : "k") + "_lanes<" +
-         template_args(f, a, t, out, s, cpu) + ">";
+  const char* base = is_matrix(f) ? "matrix<" : f == Family::n_lanes ? "n_lanes<" : "k_lanes<";
+  return std::string("moe_xpu::moe_gemm_") + base + template_args(f, a, t, out, s, cpu) + ">";
 }
+
+// Bytes of one worker's scratch area in the matrix kernel (matrix_scratch_bytes in moe_gemm.cpp).
+std::int64_t matrix_scratch_bytes(std::int64_t K) { return kUnitRows * K * 2 + 4 * 16 * 16 * 4; }
 
 // K-split kernels of 16-bit B are also compiled with float A (see LaunchPlan::widen_a), at every
 // tile: the fused MoE's second GEMM reads its float32 h at any tile. (The N-split kernel reads A
 // as one broadcast scalar per row and k step; float A measured no faster there.)
+// The matrix kernels pack A to bf16 as they read it, from bf16 or float A.
 bool has_float_a_variant(Family f, DType t) { return t != DType::float32 && f != Family::n_lanes; }
 
 struct Bundle {
@@ -162,18 +210,29 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   auto found = bundles().find(key);
   if (found != bundles().end()) return *found->second;
 
-  std::string source = kernel_source_text();
   const bool cpu = is_cpu(q);
+  const bool matrix = t == DType::bfloat16 && matrix_engine_available(q);
+  // The CPU target is part of the source text, so the runtime's persistent cache never hands a
+  // binary built for one CPU target to another.
+  const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
+  std::string source = std::string("// moe_xpu: CPU target ") + (arch != nullptr ? arch : "default") +
+                       "\n" + kernel_source_text();
   std::vector<std::string> names;
   std::ostringstream inst;
-  for (Family f : {Family::k_lanes, Family::k_lanes_gated, Family::n_lanes})
+  std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
+  if (matrix) families.insert(families.end(), {Family::matrix, Family::matrix_gated});
+  for (Family f : families)
     for (TileShape s : family_tiles(f)) {
       std::vector<DType> a_types{t};
       if (has_float_a_variant(f, t)) a_types.push_back(DType::float32);
       for (DType a : a_types) {
         names.push_back(kernel_name(f, a, t, out, s, cpu));
-        inst << (f == Family::n_lanes ? "MOE_XPU_INSTANTIATE_N_LANES(" : "MOE_XPU_INSTANTIATE_K_LANES(")
-             << template_args(f, a, t, out, s, cpu) << ")\n";
+        if (is_matrix(f))
+          inst << "MOE_XPU_INSTANTIATE_MATRIX(" << type_name(a) << ", " << type_name(t) << ", "
+               << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false") << ")\n";
+        else
+          inst << (f == Family::n_lanes ? "MOE_XPU_INSTANTIATE_N_LANES(" : "MOE_XPU_INSTANTIATE_K_LANES(")
+               << template_args(f, a, t, out, s, cpu) << ")\n";
       }
     }
   source += inst.str();
@@ -216,9 +275,23 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
       args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
 
   const bool gated = args.activation != 0;
-  const Family family = family_of(k_lanes, gated);
+  // The matrix engine, for bf16 B contiguous along K in whole engine tiles, when a group holds more
+  // than a couple of rows on average (a 16-token engine tile with one or two real rows wastes
+  // most of its work; the vector kernels' one-row decode tile reads B as fast). The vector
+  // kernels stay selectable (engine = 1) and are what tile overrides address.
+  const bool matrix_shape = args.dtype == DType::bfloat16 && k_lanes && args.K % 32 == 0 &&
+                            args.N % 16 == 0 && matrix_engine_available(q);
+  if (args.engine == 2 && !matrix_shape)
+    throw std::invalid_argument(
+        "moe_xpu: the matrix engine needs a device with one, bf16 B contiguous along K, K % 32 == 0 "
+        "and N % 16 == 0");
+  const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape &&
+                                               rows_per_group > 2.0 && args.tile_m == 0 &&
+                                               args.tile_n == 0);
+  const Family family = use_matrix ? (gated ? Family::matrix_gated : Family::matrix)
+                                   : family_of(k_lanes, gated);
   TileShape shape = choose_tile(family, rows_per_group);
-  if (args.tile_m != 0 || args.tile_n != 0) {
+  if (!use_matrix && (args.tile_m != 0 || args.tile_n != 0)) {
     bool found = false;
     for (TileShape s : family_tiles(family))
       if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) {
@@ -237,9 +310,11 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
     throw std::invalid_argument(
         "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
   plan.kernel_name = kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, cpu);
-  plan.widen_a = args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
+  plan.matrix_engine = use_matrix;
+  plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
   plan.tile_m = shape.tile_m;
-  plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
+  if (use_matrix) plan.tile_n = gated ? 16 : 32;
+  else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
   // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per
   // core; other cases unchanged within 2%);
@@ -270,12 +345,37 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   return plan;
 }
 
+// Per-queue device scratch for the matrix kernels (each worker's packed rows of A), grown on
+// demand and kept: a launch on an in-order queue never overlaps the previous one's use of it.
+void* scratch_for(sycl::queue& q, std::size_t bytes) {
+  struct Area {
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+  };
+  static auto* areas = new std::unordered_map<sycl::queue*, Area>();
+  std::lock_guard<std::mutex> lock(state_mutex());
+  Area& area = (*areas)[&q];
+  if (area.bytes < bytes) {
+    if (area.ptr != nullptr) {
+      q.wait();
+      sycl::free(area.ptr, q);
+    }
+    area.ptr = sycl::malloc_device(bytes, q);
+    if (area.ptr == nullptr) throw std::runtime_error("moe_xpu: cannot allocate kernel scratch memory");
+    area.bytes = bytes;
+  }
+  return area.ptr;
+}
+
 void moe_gemm(const GemmArgs& args) {
   if (args.out_rows == 0 || args.N == 0) return;
   sycl::queue& q = queue_for(args.queue);
   const LaunchPlan plan = plan_gemm(args);
   Bundle& bundle = get_bundle(q, args.dtype, args.out_dtype);
   const sycl::kernel& kernel = bundle.kernels.at(plan.kernel_name);
+  void* scratch = plan.matrix_engine
+                      ? scratch_for(q, std::size_t(plan.num_workers * matrix_scratch_bytes(args.K)))
+                      : nullptr;
 
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const bool k_lanes = args.b_stride_k == 1;
@@ -290,6 +390,7 @@ void moe_gemm(const GemmArgs& args) {
                args.num_groups, args.K, args.N, args.activation, args.up_offset,
                ptr(args.scatter_index), int(args.scatter_is_int64),
                ptr(args.row_weight));
+    if (plan.matrix_engine) h.set_arg(23, scratch);
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
   });
   if (args.queue == 0) done.wait_and_throw();
@@ -308,6 +409,7 @@ DeviceInfo device_info(std::uintptr_t queue) {
   info.max_work_group_size = dev.get_info<sycl::info::device::max_work_group_size>();
   info.local_mem_size = dev.get_info<sycl::info::device::local_mem_size>();
   info.is_cpu = dev.is_cpu();
+  info.matrix_engine = matrix_engine_available(queue_for(queue));
   return info;
 }
 

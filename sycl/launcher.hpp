@@ -45,6 +45,9 @@ struct GemmArgs {
   int tile_m = 0;
   int tile_n = 0;
   std::int64_t num_workers = 0;
+  // 0: chosen by the heuristic; 1: the vector kernels; 2: the matrix-engine kernels (an error where
+  // they cannot run).
+  int engine = 0;
 };
 
 struct DeviceInfo {
@@ -56,6 +59,7 @@ struct DeviceInfo {
   std::size_t max_work_group_size = 0;
   std::size_t local_mem_size = 0;
   bool is_cpu = false;
+  bool matrix_engine = false;  // the bf16 matrix-engine kernels run on this device
 };
 
 // The launch configuration chosen for a problem (exposed for tests, the bench and `info`).
@@ -68,6 +72,8 @@ struct LaunchPlan {
   // The planned kernel runs faster with A in float32 (16-bit A, K-contiguous B, tiles of several
   // rows): the caller may pass a float32 copy of A with a_dtype = float32.
   bool widen_a = false;
+  // Runs on the matrix engine (joint_matrix: AMX on the CPU device).
+  bool matrix_engine = false;
 };
 
 LaunchPlan plan_gemm(const GemmArgs& args);

@@ -20,6 +20,7 @@
 // Each output element is produced by exactly one work-item with a fixed k order, so results
 // are bitwise reproducible.
 #include <sycl/sycl.hpp>
+#include <sycl/ext/oneapi/matrix/matrix.hpp>
 #include <cstdint>
 #include <type_traits>
 
@@ -552,6 +553,146 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
       });
 }
 
+
+// Matrix-engine variant (joint_matrix: AMX on Intel Xeon CPUs, XMX on Intel GPUs) for bf16 B
+// stored with K contiguous (nn.Linear weights seen through .transpose(1, 2)). It computes the
+// transposed product out^T = B^T A^T one 16 x 16 tile at a time: the weights are the matrix
+// engine's row-major left operand, read straight from memory, and the unit's tokens are its right
+// operand, which the engine wants in "packed" (VNNI) form: for each pair of k, the two values of
+// a token side by side, tokens along a row. Each worker packs the A rows of its row block once
+// (gathered through the index table, widened or narrowed to bf16) into its own scratch area and
+// keeps them while it walks consecutive column tiles of the same rows. Accumulators are stored to
+// the scratch area once per tile and the usual epilogue (bias, gated activation, row weight,
+// scatter) runs on them. Needs K % 32 == 0 and N % 16 == 0 (checked by the launcher).
+namespace jm = sycl::ext::oneapi::experimental::matrix;
+using bf16 = sycl::ext::oneapi::bfloat16;
+constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
+constexpr int kMatToks = 16;  // tokens per engine tile
+constexpr int kMatK = 32;     // k per engine step (bf16)
+constexpr int kMatTokTiles = int(kUnitRows) / kMatToks;
+
+// Bytes of one worker's scratch area: the packed A of a row block, then the stored accumulators.
+inline int64_t matrix_scratch_bytes(int64_t K) {
+  return int64_t(kUnitRows) * K * 2 + 4 * kMatRows * kMatToks * 4;
+}
+
+template <typename T>
+inline auto global_ptr(T* p) {
+  return sycl::address_space_cast<sycl::access::address_space::global_space,
+                                  sycl::access::decorated::no>(p);
+}
+
+inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+inline uint32_t bf16_pair(float lo, float hi) {
+  return bf16_pair(FromFloat<uint16_t>::convert(lo), FromFloat<uint16_t>::convert(hi));
+}
+
+// Packs row tile `tile` of a row block (rows m0 .. m0 + valid - 1 of A's gathered rows) as
+// packed[r][t] = (a[t][2r], a[t][2r + 1]): lane t handles token t (rows past valid repeat the
+// last one; their outputs are not stored).
+template <typename TA>
+inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
+                             const void* gather_index, int gather_is64, int64_t m0, int64_t valid,
+                             int64_t K, int lane, uint32_t* packed) {
+  const int64_t m = m0 + (lane < valid ? lane : valid - 1);
+  const TA* row = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+  for (int64_t r = 0; r < K / 2; ++r)
+    packed[r * kMatToks + lane] = bf16_pair(row[2 * r], row[2 * r + 1]);
+}
+
+template <typename TA, typename TOut, bool Gated>
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                     int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_n,
+                     const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
+                     int64_t out_rows, const void* group_offsets, int offsets_is64,
+                     int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
+                     const void* scatter_index, int scatter_is64, const float* row_weight,
+                     void* scratch) {
+  const Worker w = this_worker();
+  unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K);
+  uint32_t* packed = reinterpret_cast<uint32_t*>(mine);  // [kMatTokTiles][K / 2][kMatToks]
+  float* stored = reinterpret_cast<float*>(mine + int64_t(kUnitRows) * K * 2);  // [4][16][16]
+  // Plain units are two weight tiles (32 output columns) wide; gated units one output tile of 16
+  // columns, whose gate and up weight rows make the two weight tiles.
+  constexpr int out_cols = Gated ? kMatRows : 2 * kMatRows;
+  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
+  int64_t packed_group = -1, packed_block = -1;  // what `packed` holds
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, kMatToks, kMatTokTiles,
+      tiles_n, UnitCost{1, 14},
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * out_cols;
+        if (g == num_groups) {  // tail rows: zeros
+          for (int64_t m = row_begin + m_first * kMatToks; m < row_begin + rows && m < row_begin + m_last * kMatToks; ++m)
+            for (int64_t j = w.lane; j < out_cols; j += kLanes)
+              if (n0 + j < N) {
+                const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m, out_rows);
+                out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(0.0f);
+              }
+          return;
+        }
+        if (g != packed_group || m_first != packed_block) {
+          for (int64_t t = m_first; t < m_last; ++t) {
+            const int64_t valid = rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
+            matrix_pack_rows(a, a_row_stride, a_rows, gather_index, gather_is64,
+                             row_begin + t * kMatToks, valid, K, w.lane,
+                             packed + (t - m_first) * (K / 2) * kMatToks);
+          }
+          packed_group = g;
+          packed_block = m_first;
+        }
+        // The two weight tiles: rows n0.. and n0 + 16.. (gated: the up rows n0 + up_offset..).
+        // A plain unit at the last 16 columns repeats its first tile and stores only that one.
+        const bool second_stored = Gated || n0 + kMatRows < N;
+        const bf16* w_rows[2];
+        for (int i = 0; i < 2; ++i) {
+          const int64_t n = Gated ? n0 + (i == 1 ? up_offset : 0) : n0 + (second_stored ? i * kMatRows : 0);
+          w_rows[i] = reinterpret_cast<const bf16*>(b + g * b_stride_e + n * b_stride_n);
+        }
+        for (int64_t t = m_first; t < m_last; ++t) {
+          jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, kMatRows, kMatToks> acc[2];
+          for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(w.sg, acc[i], 0.0f);
+          const bf16* x = reinterpret_cast<const bf16*>(packed + (t - m_first) * (K / 2) * kMatToks);
+          for (int64_t k = 0; k < K; k += kMatK) {
+            jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, kMatK, kMatToks, jm::layout::ext_intel_packed> xb;
+            jm::joint_matrix_load(w.sg, xb, global_ptr(x + k * kMatToks), 2 * kMatToks);
+            for (int i = 0; i < 2; ++i) {
+              jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, kMatRows, kMatK, jm::layout::row_major> wa;
+              jm::joint_matrix_load(w.sg, wa, global_ptr(w_rows[i] + k), b_stride_n);
+              jm::joint_matrix_mad(w.sg, acc[i], wa, xb, acc[i]);
+            }
+          }
+          for (int i = 0; i < 2; ++i)
+            jm::joint_matrix_store(w.sg, acc[i], global_ptr(stored + i * kMatRows * kMatToks), kMatToks,
+                                   jm::layout::row_major);
+          // Epilogue: lane l owns output column n0 + l (and n0 + 16 + l in plain units).
+          const int64_t m0 = row_begin + t * kMatToks;
+          const int64_t valid = rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
+          float bias_v[2] = {0.0f, 0.0f};
+          if (bias != nullptr)
+            for (int i = 0; i < 2; ++i) {
+              const int64_t n = Gated ? n0 + w.lane + (i == 1 ? up_offset : 0)
+                                      : n0 + (second_stored ? i * kMatRows : 0) + w.lane;
+              bias_v[i] = to_float(bias[g * bias_stride_e + n]);
+            }
+          for (int64_t m = 0; m < valid; ++m) {
+            const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
+            TOut* dst = out + target.row * out_row_stride + n0 + w.lane;
+            const float v0 = stored[w.lane * kMatToks + m] + bias_v[0];
+            const float v1 = stored[(kMatRows + w.lane) * kMatToks + m] + bias_v[1];
+            if constexpr (Gated) {
+              dst[0] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
+            } else {
+              dst[0] = FromFloat<TOut>::convert(v0 * target.weight);
+              if (second_stored) dst[kMatRows] = FromFloat<TOut>::convert(v1 * target.weight);
+            }
+          }
+        }
+      });
+}
+
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
@@ -563,5 +704,7 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
       const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
+#define MOE_XPU_INSTANTIATE_MATRIX(TA, T, TOut, GATED)                                   \
+  template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
 #define MOE_XPU_INSTANTIATE_N_LANES(TA, T, TOut, TM, TN, KCHUNK) \
   template void moe_xpu::moe_gemm_n_lanes<TA, T, TOut, TM, TN, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));

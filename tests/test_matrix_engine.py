@@ -1,0 +1,173 @@
+"""The matrix-engine kernels (joint_matrix; AMX on the SYCL CPU device) against the float64
+reference: bf16 weights contiguous along K, forced onto the engine, on shapes that break its
+tiles (16-token tiles, 64-row blocks, 32-column units, a last unit of 16 columns)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_xpu
+from moe_xpu import _runtime, ops
+from reference import assert_matches_reference
+from test_moe_gemm import make_b, offsets, route
+
+VECTOR, MATRIX = 1, 2  # GemmArgs.engine
+
+
+@pytest.fixture
+def C():
+    module = _runtime.sycl_module()
+    if module is None:
+        pytest.skip("SYCL launcher not built")
+    if not module.device_info(0).matrix_engine:
+        pytest.skip("no matrix engine: needs a CPU with AMX-BF16 (CL_CONFIG_CPU_TARGET_ARCH is set "
+                    "by moe_xpu on such CPUs)")
+    return module
+
+
+def run(C, a, b, offs, gather_index=None, bias=None, out_dtype=None, engine=MATRIX, workers=0,
+        activation=0, up_offset=0, n_out=None):
+    rows = a.shape[0] if gather_index is None else gather_index.shape[0]
+    n_out = b.shape[2] if n_out is None else n_out
+    out = torch.full((rows, n_out), float("nan"), dtype=out_dtype or b.dtype)
+    a_, b_, offs_, gi_, bias_ = ops.kernel_ready(a, b, offs, gather_index, bias)
+    args = ops.gemm_args(a_, b_, offs_, gi_, bias_, out)
+    args.engine, args.num_workers = engine, workers
+    if activation:
+        args.activation, args.up_offset, args.N = activation, up_offset, n_out
+    assert C.plan_gemm(args).matrix_engine == (engine == MATRIX)
+    C.moe_gemm(args)
+    return out
+
+
+@pytest.mark.parametrize(
+    "E,K,N,routing",
+    list(itertools.product([1, 8, 64], [32, 96, 256], [16, 48, 64], ["random", "empty_groups",
+                                                                     "one_group_all", "partial"])),
+)
+def test_matches_reference(C, E, K, N, routing):
+    T = 150  # one group taking every row spans three 64-row blocks and a short 16-token tile
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    offs = offsets(route(routing, E, T))
+    assert_matches_reference(run(C, a, b, offs), a, b, offs)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_gather_bias_out_dtype(C, index_dtype):
+    T, E, K, N = 70, 5, 64, 80
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    bias = torch.randn(E, N, dtype=torch.bfloat16)
+    gi = torch.cat([torch.randperm(T), torch.randint(0, T, (33,))]).to(index_dtype)  # repeats too
+    offs = offsets([40, 0, 1, 45, 17], index_dtype)
+    for out_dtype in (None, torch.float32):
+        out = run(C, a, b, offs, gi, bias, out_dtype)
+        assert_matches_reference(out, a, b, offs, gi, bias, out_dtype)
+
+
+def test_strided_a_and_padded_weight_rows(C):
+    """A with a row stride wider than K and weights whose rows are padded (b_stride_n > K)."""
+    T, E, K, N = 40, 3, 64, 32
+    a = torch.randn(T, K + 32, dtype=torch.bfloat16)[:, :K]
+    b = torch.randn(E, N, K + 16, dtype=torch.bfloat16)[:, :, :K].transpose(1, 2)
+    offs = offsets([10, 20, 10])
+    assert_matches_reference(run(C, a, b, offs), a, b, offs)
+
+
+def test_worker_counts_agree_bitwise(C):
+    """Skewed groups cut at many worker boundaries: each unit is computed once, and where it is
+    computed does not change a bit."""
+    T, E, K, N = 400, 6, 64, 48
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    offs = offsets([1, 311, 0, 2, 5, 70])  # the last 11 rows are the zeroed tail
+    first = None
+    for workers in [1, 2, 3, 7, 13, 64, 1000]:
+        out = run(C, a, b, offs, workers=workers)
+        assert_matches_reference(out, a, b, offs)
+        first = out if first is None else first
+        assert torch.equal(out, first)
+
+
+def test_float_a_is_rounded_to_bf16(C):
+    """Float32 A (the fused block's h) is packed to bf16 for the engine: the result is the bf16
+    product of the rounded A, accumulated in float32."""
+    T, E, K, N = 50, 4, 96, 64
+    a = torch.randn(T, K)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    offs = offsets([12, 20, 0, 18])
+    out = run(C, a, b, offs, out_dtype=torch.float32)
+    assert_matches_reference(out, a.bfloat16(), b, offs, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_epilogue(C, activation):
+    from moe_xpu.fused import ACTIVATIONS
+
+    T, E, K, I = 45, 4, 64, 48
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, 2 * I, torch.bfloat16, "linear")
+    bias = torch.randn(E, 2 * I, dtype=torch.bfloat16)
+    offs = offsets([20, 0, 17, 15])
+    gi = torch.randint(0, T, (52,))
+    plain = run(C, a, b, offs, gi, bias, torch.float32).double()
+    act = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
+    expected = act(plain[:, :I]) * plain[:, I:]
+    out = run(C, a, b, offs, gi, bias, torch.float32, activation=ACTIVATIONS[activation],
+              up_offset=I, n_out=I)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_public_api_picks_the_engine_for_tall_groups(C):
+    """moe_gemm uses the engine when groups hold several rows, the vector kernels for decode-like
+    launches and shapes outside whole engine tiles; all match the reference."""
+    E, K, N = 8, 64, 48
+
+    def plan(rows_per_group, k=K):
+        a = torch.randn(E * rows_per_group, k, dtype=torch.bfloat16)
+        b = make_b(E, k, N, torch.bfloat16, "linear")
+        out = torch.empty(a.shape[0], N, dtype=torch.bfloat16)
+        return C.plan_gemm(ops.gemm_args(a, b, offsets([rows_per_group] * E), None, None, out))
+
+    assert plan(16).matrix_engine and not plan(16).widen_a
+    assert not plan(1).matrix_engine
+    assert not plan(16, k=40).matrix_engine  # K not a multiple of 32
+    a = torch.randn(E * 16, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    offs = offsets(route("random", E, E * 16))
+    out = moe_xpu.moe_gemm(a, b, offs)
+    assert_matches_reference(out, a, b, offs)
+    assert torch.equal(out, run(C, a, b, offs))  # the public path ran the same kernel
+    vector = run(C, a, b, offs, engine=VECTOR)
+    assert_matches_reference(vector, a, b, offs)
+
+
+def test_engine_rejects_what_it_cannot_run(C):
+    a = torch.randn(8, 40, dtype=torch.bfloat16)
+    b = make_b(2, 40, 16, torch.bfloat16, "linear")
+    out = torch.empty(8, 16, dtype=torch.bfloat16)
+    args = ops.gemm_args(a, b, offsets([4, 4]), None, None, out)
+    args.engine = MATRIX
+    with pytest.raises(ValueError, match="K % 32 == 0"):
+        C.plan_gemm(args)
+
+
+def test_fused_moe_on_the_engine(C):
+    """The whole expert block with bf16 weights whose shapes fit the engine, against float64."""
+    from reference import fused_moe_reference
+
+    T, E, k, H, I = 40, 8, 2, 64, 48
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    gate_up = torch.randn(E, 2 * I, H, dtype=torch.bfloat16) / 8
+    down = torch.randn(E, H, I, dtype=torch.bfloat16) / 8
+    logits = torch.randn(T, E)
+    weights, ids = torch.topk(logits.softmax(-1), k)
+    out = moe_xpu.fused_moe(x, gate_up, down, weights, ids)
+    ref = fused_moe_reference(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(moe_xpu.fused_moe(x, gate_up, down, weights, ids), out)
