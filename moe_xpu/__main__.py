@@ -43,6 +43,11 @@ def info(warm_up: bool = False) -> None:
         print(f"  sub-groups     {list(d.sub_group_sizes)}")
         print(f"  max work-group {d.max_work_group_size}")
         print(f"  local memory   {d.local_mem_size} bytes")
+        import os
+
+        target = os.environ.get("CL_CONFIG_CPU_TARGET_ARCH", "default")
+        engine = "AMX via joint_matrix (bf16)" if d.matrix_engine else "none (vector kernels only)"
+        print(f"  matrix engine  {engine}; OpenCL CPU target {target}")
     if C is not None:
         digest = hashlib.sha256(C.kernel_source().encode()).hexdigest()[:12]
         print(f"kernel source    sha256 {digest} ({len(C.kernel_source())} bytes, embedded)")

@@ -77,7 +77,7 @@ constexpr TileShape kNLanesTiles[] = {{1, 24}, {2, 8}};
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
 // is gated; bf16 with K-contiguous B runs on the matrix engine where there is one (see
 // matrix_engine_available).
-enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated };
+enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn };
 
 Family family_of(bool k_lanes, bool gated) {
   if (gated && !k_lanes)
@@ -92,7 +92,8 @@ std::vector<TileShape> family_tiles(Family f) {
     case Family::n_lanes: return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
     // 16 tokens x 2 engine tiles of 16 weight rows (gated: one gate and one up tile).
     case Family::matrix:
-    case Family::matrix_gated: return {TileShape{16, 2}};
+    case Family::matrix_gated:
+    case Family::matrix_kn: return {TileShape{16, 2}};
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -146,6 +147,10 @@ int n_lanes_k_chunk(bool cpu, TileShape s) { return cpu && s.tile_m > 1 ? 64 : 0
 // The template arguments of one kernel variant, as written in its name and its instantiation.
 std::string template_args(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
   std::ostringstream args;
+  if (f == Family::matrix_kn) {
+    args << type_name(a) << ", " << type_name(out);
+    return args.str();
+  }
   if (f == Family::matrix || f == Family::matrix_gated) {
     args << type_name(a) << ", " << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false");
     return args.str();
@@ -156,21 +161,33 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, bo
   return args.str();
 }
 
-bool is_matrix(Family f) { return f == Family::matrix || f == Family::matrix_gated; }
+bool is_matrix(Family f) {
+  return f == Family::matrix || f == Family::matrix_gated || f == Family::matrix_kn;
+}
 
 std::string kernel_name(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
-  const char* base = is_matrix(f) ? "matrix<" : f == Family::n_lanes ? "n_lanes<" : "k_lanes<";
+  const char* base = f == Family::matrix_kn ? "matrix_kn<"
+                     : is_matrix(f)         ? "matrix<"
+                     : f == Family::n_lanes ? "n_lanes<"
+                                            : "k_lanes<";
   return std::string("moe_xpu::moe_gemm_") + base + template_args(f, a, t, out, s, cpu) + ">";
 }
 
-// Bytes of one worker's scratch area in the matrix kernel (matrix_scratch_bytes in moe_gemm.cpp).
-std::int64_t matrix_scratch_bytes(std::int64_t K) { return kUnitRows * K * 2 + 4 * 16 * 16 * 4; }
+// Bytes of one worker's scratch area in the matrix kernels (matrix_scratch_bytes in moe_gemm.cpp).
+constexpr std::int64_t kKnCols = 4096, kKnChunk = 32;  // must match moe_gemm.cpp
+std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
+  const std::int64_t tile = 16 * 16 * 4, kn_packed = kKnChunk * kKnCols * 2;
+  const std::int64_t kn_partial = (kUnitRows / 16) * (kKnCols / 16) * tile;
+  return kUnitRows * K * 2 + (kn ? kn_packed + kn_partial : 0) + 4 * tile;
+}
 
 // K-split kernels of 16-bit B are also compiled with float A (see LaunchPlan::widen_a), at every
 // tile: the fused MoE's second GEMM reads its float32 h at any tile. (The N-split kernel reads A
 // as one broadcast scalar per row and k step; float A measured no faster there.)
-// The matrix kernels pack A to bf16 as they read it, from bf16 or float A.
-bool has_float_a_variant(Family f, DType t) { return t != DType::float32 && f != Family::n_lanes; }
+// The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
+bool has_float_a_variant(Family f, DType t) {
+  return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn;
+}
 
 struct Bundle {
   std::unordered_map<std::string, sycl::kernel> kernels;
@@ -220,14 +237,17 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   std::vector<std::string> names;
   std::ostringstream inst;
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
-  if (matrix) families.insert(families.end(), {Family::matrix, Family::matrix_gated});
+  if (matrix) families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_kn});
   for (Family f : families)
     for (TileShape s : family_tiles(f)) {
       std::vector<DType> a_types{t};
       if (has_float_a_variant(f, t)) a_types.push_back(DType::float32);
       for (DType a : a_types) {
         names.push_back(kernel_name(f, a, t, out, s, cpu));
-        if (is_matrix(f))
+        if (f == Family::matrix_kn)
+          inst << "MOE_XPU_INSTANTIATE_MATRIX_KN(" << type_name(a) << ", " << type_name(t) << ", "
+               << type_name(out) << ")\n";
+        else if (is_matrix(f))
           inst << "MOE_XPU_INSTANTIATE_MATRIX(" << type_name(a) << ", " << type_name(t) << ", "
                << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false") << ")\n";
         else
@@ -275,21 +295,25 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
       args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
 
   const bool gated = args.activation != 0;
-  // The matrix engine, for bf16 B contiguous along K in whole engine tiles, when a group holds more
-  // than a couple of rows on average (a 16-token engine tile with one or two real rows wastes
-  // most of its work; the vector kernels' one-row decode tile reads B as fast). The vector
-  // kernels stay selectable (engine = 1) and are what tile overrides address.
-  const bool matrix_shape = args.dtype == DType::bfloat16 && k_lanes && args.K % 32 == 0 &&
-                            args.N % 16 == 0 && matrix_engine_available(q);
+  // The matrix engine, for bf16 B in whole engine tiles (either layout; gated epilogue and float A
+  // with K-contiguous B only), when a group holds more than a couple of rows on average (a
+  // 16-token engine tile with one or two real rows wastes most of its work; measured on one-token
+  // launches, the vector kernels' one-row tile was as fast or faster). The vector kernels stay
+  // selectable (engine = 1) and are what tile overrides address.
+  const bool matrix_shape = args.dtype == DType::bfloat16 && args.K % 32 == 0 &&
+                            args.N % 16 == 0 && (k_lanes || !gated) &&
+                            (k_lanes || args.a_dtype == DType::bfloat16) &&
+                            matrix_engine_available(q);
   if (args.engine == 2 && !matrix_shape)
     throw std::invalid_argument(
-        "moe_xpu: the matrix engine needs a device with one, bf16 B contiguous along K, K % 32 == 0 "
-        "and N % 16 == 0");
+        "moe_xpu: the matrix engine needs a device with one, bf16 B, K % 32 == 0 and N % 16 == 0");
   const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape &&
                                                rows_per_group > 2.0 && args.tile_m == 0 &&
                                                args.tile_n == 0);
-  const Family family = use_matrix ? (gated ? Family::matrix_gated : Family::matrix)
-                                   : family_of(k_lanes, gated);
+  const Family family = !use_matrix ? family_of(k_lanes, gated)
+                        : !k_lanes ? Family::matrix_kn
+                        : gated    ? Family::matrix_gated
+                                   : Family::matrix;
   TileShape shape = choose_tile(family, rows_per_group);
   if (!use_matrix && (args.tile_m != 0 || args.tile_n != 0)) {
     bool found = false;
@@ -313,7 +337,7 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   plan.matrix_engine = use_matrix;
   plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
   plan.tile_m = shape.tile_m;
-  if (use_matrix) plan.tile_n = gated ? 16 : 32;
+  if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : gated ? 16 : 32;
   else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
   // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per
@@ -374,7 +398,8 @@ void moe_gemm(const GemmArgs& args) {
   Bundle& bundle = get_bundle(q, args.dtype, args.out_dtype);
   const sycl::kernel& kernel = bundle.kernels.at(plan.kernel_name);
   void* scratch = plan.matrix_engine
-                      ? scratch_for(q, std::size_t(plan.num_workers * matrix_scratch_bytes(args.K)))
+                      ? scratch_for(q, std::size_t(plan.num_workers *
+                                                   matrix_scratch_bytes(args.K, args.b_stride_k != 1)))
                       : nullptr;
 
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };

@@ -1,6 +1,7 @@
 """The matrix-engine kernels (joint_matrix; AMX on the SYCL CPU device) against the float64
-reference: bf16 weights contiguous along K, forced onto the engine, on shapes that break its
-tiles (16-token tiles, 64-row blocks, 32-column units, a last unit of 16 columns)."""
+reference: bf16 weights in both layouts (nn.Linear [E, N, K] transposed, contiguous [E, K, N]),
+forced onto the engine, on shapes that break its tiles (16-token tiles, 64-row blocks, 32-column
+units, a last unit of 16 columns)."""
 
 from __future__ import annotations
 
@@ -44,24 +45,28 @@ def run(C, a, b, offs, gather_index=None, bias=None, out_dtype=None, engine=MATR
     return out
 
 
+LAYOUTS = ["linear", "kn"]
+
+
 @pytest.mark.parametrize(
-    "E,K,N,routing",
-    list(itertools.product([1, 8, 64], [32, 96, 256], [16, 48, 64], ["random", "empty_groups",
-                                                                     "one_group_all", "partial"])),
+    "layout,E,K,N,routing",
+    list(itertools.product(LAYOUTS, [1, 8, 64], [32, 96, 256], [16, 48, 64],
+                           ["random", "empty_groups", "one_group_all", "partial"])),
 )
-def test_matches_reference(C, E, K, N, routing):
+def test_matches_reference(C, layout, E, K, N, routing):
     T = 150  # one group taking every row spans three 64-row blocks and a short 16-token tile
     a = torch.randn(T, K, dtype=torch.bfloat16)
-    b = make_b(E, K, N, torch.bfloat16, "linear")
+    b = make_b(E, K, N, torch.bfloat16, layout)
     offs = offsets(route(routing, E, T))
     assert_matches_reference(run(C, a, b, offs), a, b, offs)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_gather_bias_out_dtype(C, index_dtype):
+def test_gather_bias_out_dtype(C, layout, index_dtype):
     T, E, K, N = 70, 5, 64, 80
     a = torch.randn(T, K, dtype=torch.bfloat16)
-    b = make_b(E, K, N, torch.bfloat16, "linear")
+    b = make_b(E, K, N, torch.bfloat16, layout)
     bias = torch.randn(E, N, dtype=torch.bfloat16)
     gi = torch.cat([torch.randperm(T), torch.randint(0, T, (33,))]).to(index_dtype)  # repeats too
     offs = offsets([40, 0, 1, 45, 17], index_dtype)
@@ -70,21 +75,39 @@ def test_gather_bias_out_dtype(C, index_dtype):
         assert_matches_reference(out, a, b, offs, gi, bias, out_dtype)
 
 
-def test_strided_a_and_padded_weight_rows(C):
-    """A with a row stride wider than K and weights whose rows are padded (b_stride_n > K)."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strided_a_and_padded_weight_rows(C, layout):
+    """A with a row stride wider than K and weights whose rows are padded (row stride > K for
+    nn.Linear weights, > N for [E, K, N])."""
     T, E, K, N = 40, 3, 64, 32
     a = torch.randn(T, K + 32, dtype=torch.bfloat16)[:, :K]
-    b = torch.randn(E, N, K + 16, dtype=torch.bfloat16)[:, :, :K].transpose(1, 2)
+    if layout == "linear":
+        b = torch.randn(E, N, K + 16, dtype=torch.bfloat16)[:, :, :K].transpose(1, 2)
+    else:
+        b = torch.randn(E, K, N + 16, dtype=torch.bfloat16)[:, :, :N]
     offs = offsets([10, 20, 10])
     assert_matches_reference(run(C, a, b, offs), a, b, offs)
 
 
-def test_worker_counts_agree_bitwise(C):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_wide_n_spans_several_units(C, layout):
+    """N past one [E, K, N] unit (4096 columns) with an odd number of 16-column tiles left, and K
+    over many engine steps."""
+    T, E, K, N = 40, 2, 128, 4096 + 48
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, layout)
+    bias = torch.randn(E, N, dtype=torch.bfloat16)
+    offs = offsets([25, 12])
+    assert_matches_reference(run(C, a, b, offs, bias=bias), a, b, offs, bias=bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_worker_counts_agree_bitwise(C, layout):
     """Skewed groups cut at many worker boundaries: each unit is computed once, and where it is
     computed does not change a bit."""
     T, E, K, N = 400, 6, 64, 48
     a = torch.randn(T, K, dtype=torch.bfloat16)
-    b = make_b(E, K, N, torch.bfloat16, "linear")
+    b = make_b(E, K, N, torch.bfloat16, layout)
     offs = offsets([1, 311, 0, 2, 5, 70])  # the last 11 rows are the zeroed tail
     first = None
     for workers in [1, 2, 3, 7, 13, 64, 1000]:
@@ -128,15 +151,16 @@ def test_public_api_picks_the_engine_for_tall_groups(C):
     launches and shapes outside whole engine tiles; all match the reference."""
     E, K, N = 8, 64, 48
 
-    def plan(rows_per_group, k=K):
+    def plan(rows_per_group, k=K, layout="linear"):
         a = torch.randn(E * rows_per_group, k, dtype=torch.bfloat16)
-        b = make_b(E, k, N, torch.bfloat16, "linear")
+        b = make_b(E, k, N, torch.bfloat16, layout)
         out = torch.empty(a.shape[0], N, dtype=torch.bfloat16)
         return C.plan_gemm(ops.gemm_args(a, b, offsets([rows_per_group] * E), None, None, out))
 
     assert plan(16).matrix_engine and not plan(16).widen_a
     assert not plan(1).matrix_engine
     assert not plan(16, k=40).matrix_engine  # K not a multiple of 32
+    assert plan(16, layout="kn").matrix_engine
     a = torch.randn(E * 16, K, dtype=torch.bfloat16)
     b = make_b(E, K, N, torch.bfloat16, "linear")
     offs = offsets(route("random", E, E * 16))

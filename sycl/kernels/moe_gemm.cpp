@@ -571,15 +571,35 @@ constexpr int kMatToks = 16;  // tokens per engine tile
 constexpr int kMatK = 32;     // k per engine step (bf16)
 constexpr int kMatTokTiles = int(kUnitRows) / kMatToks;
 
-// Bytes of one worker's scratch area: the packed A of a row block, then the stored accumulators.
-inline int64_t matrix_scratch_bytes(int64_t K) {
-  return int64_t(kUnitRows) * K * 2 + 4 * kMatRows * kMatToks * 4;
+// The N-contiguous matrix kernel's unit: up to kKnCols columns, so that for N <= kKnCols a chunk
+// of B rows is one contiguous block of memory, read as one sequential stream (the hardware
+// prefetchers follow it; units of 256 or 1024 columns read B rows in short pieces and measured
+// 1.7-2x slower on the bench's [E, K, N] cases), K walked one engine step (kKnChunk) at a time
+// (chunks of 64 measured 1.2-1.4x slower).
+constexpr int kKnCols = 4096;
+constexpr int kKnChunk = 32;
+constexpr int kKnTiles = kKnCols / kMatRows;
+
+// One worker's scratch area: the packed A of a row block (kUnitRows x K bf16); for the
+// N-contiguous kernel its packed B chunk and the partial sums of its unit; then the stored
+// accumulator tiles of the epilogue.
+inline int64_t matrix_a_bytes(int64_t K) { return int64_t(kUnitRows) * K * 2; }
+constexpr int64_t kTileBytes = kMatRows * kMatToks * 4;
+constexpr int64_t kKnPackedBytes = int64_t(kKnChunk) * kKnCols * 2;
+constexpr int64_t kKnPartialBytes = int64_t(kMatTokTiles) * kKnTiles * kTileBytes;
+inline int64_t matrix_scratch_bytes(int64_t K, bool kn) {
+  return matrix_a_bytes(K) + (kn ? kKnPackedBytes + kKnPartialBytes : 0) + 4 * kTileBytes;
 }
 
 template <typename T>
 inline auto global_ptr(T* p) {
   return sycl::address_space_cast<sycl::access::address_space::global_space,
                                   sycl::access::decorated::no>(p);
+}
+
+// Real rows in token tile t of a group with `rows` rows.
+inline int64_t matrix_tile_rows(int64_t rows, int64_t t) {
+  return rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
 }
 
 inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
@@ -600,6 +620,21 @@ inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
     packed[r * kMatToks + lane] = bf16_pair(row[2 * r], row[2 * r + 1]);
 }
 
+// Writes zeros to the tail group's rows [m_begin, min(m_end, m_begin + tiles * 16)) at output
+// columns [n0, n0 + cols) below N.
+template <typename TOut>
+inline void matrix_zero_rows(TOut* out, int64_t out_row_stride, int64_t out_rows,
+                             const void* scatter_index, int scatter_is64, const float* row_weight,
+                             int64_t m_begin, int64_t m_end, int64_t tiles, int64_t n0, int cols,
+                             int64_t N, int lane) {
+  for (int64_t m = m_begin; m < m_end && m < m_begin + tiles * kMatToks; ++m)
+    for (int64_t j = lane; j < cols; j += kLanes)
+      if (n0 + j < N) {
+        const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m, out_rows);
+        out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(0.0f);
+      }
+}
+
 template <typename TA, typename TOut, bool Gated>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
@@ -611,9 +646,9 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
                      const void* scatter_index, int scatter_is64, const float* row_weight,
                      void* scratch) {
   const Worker w = this_worker();
-  unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K);
+  unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K, false);
   uint32_t* packed = reinterpret_cast<uint32_t*>(mine);  // [kMatTokTiles][K / 2][kMatToks]
-  float* stored = reinterpret_cast<float*>(mine + int64_t(kUnitRows) * K * 2);  // [4][16][16]
+  float* stored = reinterpret_cast<float*>(mine + matrix_a_bytes(K));  // [4][16][16]
   // Plain units are two weight tiles (32 output columns) wide; gated units one output tile of 16
   // columns, whose gate and up weight rows make the two weight tiles.
   constexpr int out_cols = Gated ? kMatRows : 2 * kMatRows;
@@ -625,17 +660,14 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
         const int64_t n0 = n_tile * out_cols;
         if (g == num_groups) {  // tail rows: zeros
-          for (int64_t m = row_begin + m_first * kMatToks; m < row_begin + rows && m < row_begin + m_last * kMatToks; ++m)
-            for (int64_t j = w.lane; j < out_cols; j += kLanes)
-              if (n0 + j < N) {
-                const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m, out_rows);
-                out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(0.0f);
-              }
+          matrix_zero_rows(out, out_row_stride, out_rows, scatter_index, scatter_is64, row_weight,
+                           row_begin + m_first * kMatToks, row_begin + rows, m_last - m_first, n0,
+                           out_cols, N, w.lane);
           return;
         }
         if (g != packed_group || m_first != packed_block) {
           for (int64_t t = m_first; t < m_last; ++t) {
-            const int64_t valid = rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
+            const int64_t valid = matrix_tile_rows(rows, t);
             matrix_pack_rows(a, a_row_stride, a_rows, gather_index, gather_is64,
                              row_begin + t * kMatToks, valid, K, w.lane,
                              packed + (t - m_first) * (K / 2) * kMatToks);
@@ -669,7 +701,7 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
                                    jm::layout::row_major);
           // Epilogue: lane l owns output column n0 + l (and n0 + 16 + l in plain units).
           const int64_t m0 = row_begin + t * kMatToks;
-          const int64_t valid = rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
+          const int64_t valid = matrix_tile_rows(rows, t);
           float bias_v[2] = {0.0f, 0.0f};
           if (bias != nullptr)
             for (int i = 0; i < 2; ++i) {
@@ -693,6 +725,116 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
       });
 }
 
+// Matrix-engine variant for bf16 B stored with N contiguous (a contiguous [E, K, N] tensor):
+// out = A B directly. The unit's tokens are the engine's row-major left operand (their gathered
+// rows copied once per row block into the worker's scratch area, as bf16). A unit is kKnCols
+// columns wide and walks K in chunks: each chunk of its B slice is packed once into the engine's
+// pair-interleaved form (rows 2r and 2r + 1 of B side by side; about one pass over the slice, the
+// read the unit makes anyway), then every token tile x column-tile pair runs the chunk, its
+// partial sums kept in the scratch area between chunks.
+template <typename TA, typename TOut>
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                        int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_k,
+                        const uint16_t* bias, int64_t bias_stride_e, TOut* out,
+                        int64_t out_row_stride, int64_t out_rows, const void* group_offsets,
+                        int offsets_is64, int64_t num_groups, int64_t K, int64_t N,
+                        int /*activation: K-contiguous B only*/, int64_t /*up_offset*/,
+                        const void* scatter_index, int scatter_is64, const float* row_weight,
+                        void* scratch) {
+  const Worker w = this_worker();
+  unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K, true);
+  uint16_t* rows_a = reinterpret_cast<uint16_t*>(mine);                          // [4][16][K]
+  uint32_t* pairs_b = reinterpret_cast<uint32_t*>(mine + matrix_a_bytes(K));      // [chunk / 2][kKnCols]
+  float* partial = reinterpret_cast<float*>(mine + matrix_a_bytes(K) + kKnPackedBytes);  // [4][kKnTiles][16][16]
+  float* stored = partial + kKnPartialBytes / 4;                                  // [2][16][16]
+  const int64_t tiles_n = (N + kKnCols - 1) / kKnCols;
+  int64_t packed_group = -1, packed_block = -1;  // what rows_a holds
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, kMatToks, kMatTokTiles,
+      tiles_n, UnitCost{kKnTiles / 2, 7 * kKnTiles},
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * kKnCols;
+        const int64_t cols = N - n0 < kKnCols ? N - n0 : kKnCols;  // a multiple of 16
+        if (g == num_groups) {
+          matrix_zero_rows(out, out_row_stride, out_rows, scatter_index, scatter_is64, row_weight,
+                           row_begin + m_first * kMatToks, row_begin + rows, m_last - m_first, n0,
+                           kKnCols, N, w.lane);
+          return;
+        }
+        if (g != packed_group || m_first != packed_block) {
+          for (int64_t t = m_first; t < m_last; ++t) {
+            const int64_t valid = matrix_tile_rows(rows, t);
+            for (int64_t i = 0; i < kMatToks; ++i) {  // rows past valid repeat the last one
+              const int64_t m = row_begin + t * kMatToks + (i < valid ? i : valid - 1);
+              const TA* src = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+              uint16_t* dst = rows_a + ((t - m_first) * kMatToks + i) * K;
+              for (int64_t k = w.lane; k < K; k += kLanes) dst[k] = FromFloat<uint16_t>::convert(to_float(src[k]));
+            }
+          }
+          packed_group = g;
+          packed_block = m_first;
+        }
+        const int tiles = int(cols / kMatRows);
+        const uint16_t* b_g = b + g * b_stride_e + n0;
+        for (int64_t k0 = 0; k0 < K; k0 += kKnChunk) {
+          const int64_t k_len = K - k0 < kKnChunk ? K - k0 : kKnChunk;  // a multiple of 32
+          const bool first = k0 == 0, last = k0 + k_len == K;
+          for (int64_t r = 0; r < k_len / 2; ++r) {
+            const uint16_t* even = b_g + (k0 + 2 * r) * b_stride_k;
+            const uint16_t* odd = even + b_stride_k;
+            for (int c = w.lane; c < tiles * kMatRows; c += kLanes)
+              pairs_b[r * kKnCols + c] = bf16_pair(even[c], odd[c]);
+          }
+          const bf16* xb = reinterpret_cast<const bf16*>(pairs_b);
+          for (int64_t t = m_first; t < m_last; ++t) {
+            const bf16* x = reinterpret_cast<const bf16*>(rows_a + (t - m_first) * kMatToks * K);
+            for (int p = 0; p < tiles; p += 2) {
+              // Column tiles p and p + 1 (an odd last tile runs twice; its copy is not stored).
+              const int tile_of[2] = {p, p + 1 < tiles ? p + 1 : p};
+              float* saved[2];
+              jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, kMatToks, kMatRows> acc[2];
+              for (int i = 0; i < 2; ++i) {
+                saved[i] = partial + ((t - m_first) * kKnTiles + tile_of[i]) * (kTileBytes / 4);
+                if (first) jm::joint_matrix_fill(w.sg, acc[i], 0.0f);
+                else jm::joint_matrix_load(w.sg, acc[i], global_ptr(saved[i]), kMatRows, jm::layout::row_major);
+              }
+              for (int64_t k = 0; k < k_len; k += kMatK) {
+                jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, kMatToks, kMatK, jm::layout::row_major> xa;
+                jm::joint_matrix_load(w.sg, xa, global_ptr(x + k0 + k), K);
+                for (int i = 0; i < 2; ++i) {
+                  jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, kMatK, kMatRows, jm::layout::ext_intel_packed> bb;
+                  jm::joint_matrix_load(w.sg, bb, global_ptr(xb + k * kKnCols + tile_of[i] * 2 * kMatRows), 2 * kKnCols);
+                  jm::joint_matrix_mad(w.sg, acc[i], xa, bb, acc[i]);
+                }
+              }
+              if (!last) {
+                for (int i = 0; i < 2; ++i)
+                  jm::joint_matrix_store(w.sg, acc[i], global_ptr(saved[i]), kMatRows, jm::layout::row_major);
+                continue;
+              }
+              for (int i = 0; i < 2; ++i)
+                jm::joint_matrix_store(w.sg, acc[i], global_ptr(stored + i * kMatToks * kMatRows), kMatRows,
+                                       jm::layout::row_major);
+              const int64_t m0 = row_begin + t * kMatToks;
+              const int64_t valid = matrix_tile_rows(rows, t);
+              const int stores = tile_of[1] != tile_of[0] ? 2 : 1;
+              for (int i = 0; i < stores; ++i) {
+                const int64_t n = n0 + tile_of[i] * kMatRows + w.lane;
+                const float bias_v = bias != nullptr ? to_float(bias[g * bias_stride_e + n]) : 0.0f;
+                for (int64_t m = 0; m < valid; ++m) {
+                  const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
+                  out[target.row * out_row_stride + n] = FromFloat<TOut>::convert(
+                      (stored[(i * kMatToks + m) * kMatRows + w.lane] + bias_v) * target.weight);
+                }
+              }
+            }
+          }
+        }
+      });
+}
+
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
@@ -706,5 +848,7 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
 #define MOE_XPU_INSTANTIATE_MATRIX(TA, T, TOut, GATED)                                   \
   template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
+#define MOE_XPU_INSTANTIATE_MATRIX_KN(TA, T, TOut)                                       \
+  template void moe_xpu::moe_gemm_matrix_kn<TA, TOut>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
 #define MOE_XPU_INSTANTIATE_N_LANES(TA, T, TOut, TM, TN, KCHUNK) \
   template void moe_xpu::moe_gemm_n_lanes<TA, T, TOut, TM, TN, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
