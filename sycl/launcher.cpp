@@ -296,10 +296,13 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
 
   const bool gated = args.activation != 0;
   // The matrix engine, for bf16 B in whole engine tiles (either layout; gated epilogue and float A
-  // with K-contiguous B only), when a group holds more than a couple of rows on average (a
-  // 16-token engine tile with one or two real rows wastes most of its work; measured on one-token
-  // launches, the vector kernels' one-row tile was as fast or faster). The vector kernels stay
-  // selectable (engine = 1) and are what tile overrides address.
+  // with K-contiguous B only), when a group holds more than a couple of rows on average, or when
+  // an expert's weights (4 MB or more) stream from beyond the core's L2. With one or two rows a
+  // group, a 16-token engine tile does mostly padding work: on small cache-resident experts the
+  // vector kernels' one-row tile was faster (1 token top-8, E=64, K=2048, N=768: 0.61 vs 0.80 ms),
+  // while streaming larger experts from memory the engine's tile loads were (bench decode case,
+  // weights not in cache: 8.1 vs 10.4 ms). The vector kernels stay selectable (engine = 1) and are
+  // what tile overrides address.
   const bool matrix_shape = args.dtype == DType::bfloat16 && args.K % 32 == 0 &&
                             args.N % 16 == 0 && (k_lanes || !gated) &&
                             (k_lanes || args.a_dtype == DType::bfloat16) &&
@@ -307,9 +310,11 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
   if (args.engine == 2 && !matrix_shape)
     throw std::invalid_argument(
         "moe_xpu: the matrix engine needs a device with one, bf16 B, K % 32 == 0 and N % 16 == 0");
+  const double expert_weights = double(args.K) * double(args.N) * (gated ? 2.0 : 1.0);
+  const bool streamed = expert_weights * 2.0 >= double(4 << 20);
   const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape &&
-                                               rows_per_group > 2.0 && args.tile_m == 0 &&
-                                               args.tile_n == 0);
+                                               (rows_per_group > 2.0 || streamed) &&
+                                               args.tile_m == 0 && args.tile_n == 0);
   const Family family = !use_matrix ? family_of(k_lanes, gated)
                         : !k_lanes ? Family::matrix_kn
                         : gated    ? Family::matrix_gated
