@@ -376,13 +376,19 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
 
 // Per-queue device scratch for the matrix kernels (each worker's packed rows of A), grown on
 // demand and kept: a launch on an in-order queue never overlaps the previous one's use of it.
+// The caller holds scratch_mutex() from this call until its kernel is submitted, so another
+// thread cannot free the area in between (growing waits for the kernels already queued).
+std::mutex& scratch_mutex() {
+  static auto* m = new std::mutex();
+  return *m;
+}
+
 void* scratch_for(sycl::queue& q, std::size_t bytes) {
   struct Area {
     void* ptr = nullptr;
     std::size_t bytes = 0;
   };
   static auto* areas = new std::unordered_map<sycl::queue*, Area>();
-  std::lock_guard<std::mutex> lock(state_mutex());
   Area& area = (*areas)[&q];
   if (area.bytes < bytes) {
     if (area.ptr != nullptr) {
@@ -402,6 +408,8 @@ void moe_gemm(const GemmArgs& args) {
   const LaunchPlan plan = plan_gemm(args);
   Bundle& bundle = get_bundle(q, args.dtype, args.out_dtype);
   const sycl::kernel& kernel = bundle.kernels.at(plan.kernel_name);
+  std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
+  if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine
                       ? scratch_for(q, std::size_t(plan.num_workers *
                                                    matrix_scratch_bytes(args.K, args.b_stride_k != 1)))
@@ -423,6 +431,7 @@ void moe_gemm(const GemmArgs& args) {
     if (plan.matrix_engine) h.set_arg(23, scratch);
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
   });
+  if (scratch_lock.owns_lock()) scratch_lock.unlock();
   if (args.queue == 0) done.wait_and_throw();
 }
 
