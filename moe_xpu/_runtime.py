@@ -33,14 +33,27 @@ def _cpu_has_amx_bf16() -> bool:
     return False
 
 
+def _opencl_cpu_runtime_loaded() -> bool:
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            return any("libintelocl" in line for line in f)
+    except OSError:
+        return False
+
+
 def _prepare_environment() -> None:
     ocl_cpu = Path(sys.prefix) / "lib" / "libintelocl.so"
     if ocl_cpu.exists():
         os.environ.setdefault("OCL_ICD_FILENAMES", str(ocl_cpu))
     os.environ.setdefault("SYCL_CACHE_PERSISTENT", "1")
     os.environ.setdefault("SYCL_CACHE_DIR", _default_cache_dir())
-    if _cpu_has_amx_bf16():
-        os.environ.setdefault("CL_CONFIG_CPU_TARGET_ARCH", "sapphirerapids")
+    if _cpu_has_amx_bf16() and "CL_CONFIG_CPU_TARGET_ARCH" not in os.environ:
+        if _opencl_cpu_runtime_loaded():
+            # Too late: the OpenCL CPU compiler (loaded by dpctl or another SYCL user before us)
+            # has read its target already, and would abort on matrix-engine code. Vector kernels.
+            os.environ.setdefault("MOE_XPU_MATRIX_ENGINE", "0")
+        else:
+            os.environ["CL_CONFIG_CPU_TARGET_ARCH"] = "sapphirerapids"
 
 
 _prepare_environment()

@@ -166,8 +166,10 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
 
     # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
     # Locals keep every tensor the kernels read alive until the launches are done.
-    # h is float32: the second GEMM reads it as float A (no widening in its k loop), both
-    # launches share one compiled kernel bundle, and h is not rounded to 16 bits.
+    # h is float32: the second GEMM reads it as float A (no widening in its k loop) and both
+    # launches share one compiled kernel bundle. The vector kernels use h unrounded; the bf16
+    # matrix-engine kernels round it to bf16 as they pack it (the engine multiplies bf16), as a
+    # bf16 model's own expert block would.
     w_gate_up, w_down = _k_contiguous(gate_up_proj), _k_contiguous(down_proj)
     h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
     args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)

@@ -219,3 +219,27 @@ def test_concurrent_launches_share_scratch_safely(C):
     for (a, b, offs), out in zip(problems, results):
         assert torch.equal(out, moe_xpu.moe_gemm(a, b, offs))
         assert_matches_reference(out, a, b, offs)
+
+
+def test_engine_stays_off_when_the_opencl_runtime_loaded_first(C):
+    """The OpenCL CPU compiler reads its target when it loads: if another SYCL user loaded it
+    before moe_xpu could set the AMX target, moe_xpu must not hand it matrix-engine code (the
+    compiler would abort the process); the vector kernels run instead."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import ctypes, os, sys\n"
+        "ctypes.CDLL(os.path.join(sys.prefix, 'lib', 'libintelocl.so'))\n"
+        "import moe_xpu\n"
+        "from moe_xpu import _runtime\n"
+        "assert os.environ['MOE_XPU_MATRIX_ENGINE'] == '0'\n"
+        "assert not _runtime.sycl_module().device_info(0).matrix_engine\n"
+        "print('vector kernels only')\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CL_CONFIG_CPU_TARGET_ARCH", "MOE_XPU_MATRIX_ENGINE")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "vector kernels only" in done.stdout
