@@ -620,6 +620,32 @@ inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
     packed[r * kMatToks + lane] = bf16_pair(row[2 * r], row[2 * r + 1]);
 }
 
+// The k loop of `Tiles` consecutive packed token tiles (x: the first; the next follows K / 2 x 16
+// words later) against the unit's two weight tiles; stores accumulator (token tile j, weight
+// tile i) to stored + (2 j + i) * 256 as [weight row][token].
+template <int Tiles>
+inline void matrix_k_loop(const sycl::sub_group& sg, const bf16* const (&w_rows)[2], int64_t b_stride_n,
+                          const uint32_t* x, int64_t K, float* stored) {
+  jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, kMatRows, kMatToks> acc[Tiles][2];
+  for (int j = 0; j < Tiles; ++j)
+    for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(sg, acc[j][i], 0.0f);
+  for (int64_t k = 0; k < K; k += kMatK) {
+    jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, kMatK, kMatToks, jm::layout::ext_intel_packed> xb[Tiles];
+    for (int j = 0; j < Tiles; ++j)
+      jm::joint_matrix_load(sg, xb[j], global_ptr(reinterpret_cast<const bf16*>(x + j * (K / 2) * kMatToks) + k * kMatToks),
+                            2 * kMatToks);
+    for (int i = 0; i < 2; ++i) {
+      jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, kMatRows, kMatK, jm::layout::row_major> wa;
+      jm::joint_matrix_load(sg, wa, global_ptr(w_rows[i] + k), b_stride_n);
+      for (int j = 0; j < Tiles; ++j) jm::joint_matrix_mad(sg, acc[j][i], wa, xb[j], acc[j][i]);
+    }
+  }
+  for (int j = 0; j < Tiles; ++j)
+    for (int i = 0; i < 2; ++i)
+      jm::joint_matrix_store(sg, acc[j][i], global_ptr(stored + (2 * j + i) * kMatRows * kMatToks), kMatToks,
+                             jm::layout::row_major);
+}
+
 // Writes zeros to the tail group's rows [m_begin, min(m_end, m_begin + tiles * 16)) at output
 // columns [n0, n0 + cols) below N.
 template <typename TOut>
@@ -683,42 +709,36 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
           const int64_t n = Gated ? n0 + (i == 1 ? up_offset : 0) : n0 + (second_stored ? i * kMatRows : 0);
           w_rows[i] = reinterpret_cast<const bf16*>(b + g * b_stride_e + n * b_stride_n);
         }
-        for (int64_t t = m_first; t < m_last; ++t) {
-          jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, kMatRows, kMatToks> acc[2];
-          for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(w.sg, acc[i], 0.0f);
-          const bf16* x = reinterpret_cast<const bf16*>(packed + (t - m_first) * (K / 2) * kMatToks);
-          for (int64_t k = 0; k < K; k += kMatK) {
-            jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, kMatK, kMatToks, jm::layout::ext_intel_packed> xb;
-            jm::joint_matrix_load(w.sg, xb, global_ptr(x + k * kMatToks), 2 * kMatToks);
-            for (int i = 0; i < 2; ++i) {
-              jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, kMatRows, kMatK, jm::layout::row_major> wa;
-              jm::joint_matrix_load(w.sg, wa, global_ptr(w_rows[i] + k), b_stride_n);
-              jm::joint_matrix_mad(w.sg, acc[i], wa, xb, acc[i]);
-            }
-          }
-          for (int i = 0; i < 2; ++i)
-            jm::joint_matrix_store(w.sg, acc[i], global_ptr(stored + i * kMatRows * kMatToks), kMatToks,
-                                   jm::layout::row_major);
-          // Epilogue: lane l owns output column n0 + l (and n0 + 16 + l in plain units).
-          const int64_t m0 = row_begin + t * kMatToks;
-          const int64_t valid = matrix_tile_rows(rows, t);
-          float bias_v[2] = {0.0f, 0.0f};
-          if (bias != nullptr)
-            for (int i = 0; i < 2; ++i) {
-              const int64_t n = Gated ? n0 + w.lane + (i == 1 ? up_offset : 0)
-                                      : n0 + (second_stored ? i * kMatRows : 0) + w.lane;
-              bias_v[i] = to_float(bias[g * bias_stride_e + n]);
-            }
-          for (int64_t m = 0; m < valid; ++m) {
-            const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
-            TOut* dst = out + target.row * out_row_stride + n0 + w.lane;
-            const float v0 = stored[w.lane * kMatToks + m] + bias_v[0];
-            const float v1 = stored[(kMatRows + w.lane) * kMatToks + m] + bias_v[1];
-            if constexpr (Gated) {
-              dst[0] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
-            } else {
-              dst[0] = FromFloat<TOut>::convert(v0 * target.weight);
-              if (second_stored) dst[kMatRows] = FromFloat<TOut>::convert(v1 * target.weight);
+        // Token tiles in pairs where there are two (each weight tile then serves both from one
+        // load), a last single tile alone.
+        for (int64_t t = m_first; t < m_last; t += 2) {
+          const int pair = t + 1 < m_last ? 2 : 1;
+          const uint32_t* x = packed + (t - m_first) * (K / 2) * kMatToks;
+          if (pair == 2) matrix_k_loop<2>(w.sg, w_rows, b_stride_n, x, K, stored);
+          else matrix_k_loop<1>(w.sg, w_rows, b_stride_n, x, K, stored);
+          for (int j = 0; j < pair; ++j) {
+            // Epilogue: lane l owns output column n0 + l (and n0 + 16 + l in plain units).
+            const float* tile = stored + j * 2 * kMatRows * kMatToks;
+            const int64_t m0 = row_begin + (t + j) * kMatToks;
+            const int64_t valid = matrix_tile_rows(rows, t + j);
+            float bias_v[2] = {0.0f, 0.0f};
+            if (bias != nullptr)
+              for (int i = 0; i < 2; ++i) {
+                const int64_t n = Gated ? n0 + w.lane + (i == 1 ? up_offset : 0)
+                                        : n0 + (second_stored ? i * kMatRows : 0) + w.lane;
+                bias_v[i] = to_float(bias[g * bias_stride_e + n]);
+              }
+            for (int64_t m = 0; m < valid; ++m) {
+              const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
+              TOut* dst = out + target.row * out_row_stride + n0 + w.lane;
+              const float v0 = tile[w.lane * kMatToks + m] + bias_v[0];
+              const float v1 = tile[(kMatRows + w.lane) * kMatToks + m] + bias_v[1];
+              if constexpr (Gated) {
+                dst[0] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
+              } else {
+                dst[0] = FromFloat<TOut>::convert(v0 * target.weight);
+                if (second_stored) dst[kMatRows] = FromFloat<TOut>::convert(v1 * target.weight);
+              }
             }
           }
         }
