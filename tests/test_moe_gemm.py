@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import moe_xpu
 from moe_xpu import _runtime, ops
-from reference import assert_matches_reference
+from reference import assert_matches_reference, moe_gemm_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LAYOUTS = ["kn", "linear"]  # contiguous [E, K, N]; nn.Linear weights [E, N, K] transposed
@@ -375,3 +375,41 @@ def test_worker_count_follows_compute_units_and_work(C):
 
     assert workers(4, 64, 64) == cus
     assert workers(1024, 1024, 1024) > cus
+
+
+@pytest.mark.parametrize("K", [127, 128, 129, 300, 527])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_split_kernel_k_chunks(K, dtype, C):
+    """The K-split kernel's tall tile walks K in chunks on the CPU (partial sums parked between
+    chunks): K below, at and past a chunk, with a remainder; groups of several row tiles, a
+    one-tile group and the zeroed tail; plain, gated and float-A variants."""
+    from moe_xpu.fused import ACTIVATIONS
+
+    T, E, N = 90, 4, 22
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, "linear")
+    offs = offsets([40, 5, 0, 37])  # 8 tail rows
+    tall = C.tile_shapes(True)[-1]
+    a_, b_, offs_, _, _ = ops.kernel_ready(a, b, offs, None, None)
+    out = torch.full((T, N), float("nan"), dtype=dtype)
+    args = ops.gemm_args(a_, b_, offs_, None, None, out)
+    args.engine, (args.tile_m, args.tile_n) = 1, tall
+    C.moe_gemm(args)
+    assert_matches_reference(out, a, b, offs)
+    if dtype != torch.float32:  # float A (what ops.launch passes on tall tiles)
+        out32 = torch.empty(T, N)
+        a32 = a_.float()  # kept alive until the launch
+        args = ops.gemm_args(a32, b_, offs_, None, None, out32)
+        args.engine, (args.tile_m, args.tile_n) = 1, tall
+        C.moe_gemm(args)
+        assert_matches_reference(out32, a, b, offs, out_dtype=torch.float32)
+    I = N // 2  # gated: out[:, n] = silu(a @ b[:, n]) * (a @ b[:, n + I])
+    gated = torch.empty(T, I)
+    args = ops.gemm_args(a_, b_, offs_, None, None, gated)
+    args.activation, args.up_offset, args.N = ACTIVATIONS["silu"], I, I
+    args.engine, (args.tile_m, args.tile_n) = 1, C.tile_shapes(True, True)[-1]
+    C.moe_gemm(args)
+    plain = moe_gemm_reference(a, b, offs)
+    expected = F.silu(plain[:, :I]) * plain[:, I:]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gated.double(), expected, rtol=tol, atol=tol * max(1.0, expected.abs().max().item()))

@@ -239,7 +239,8 @@ struct KLanesArgs {
 // One R x TN tile of the K-split kernel at rows m0 .. m0 + valid_rows - 1 of group g.
 template <int R, int TN, bool Gated, typename TA, typename T, typename TOut>
 inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int64_t g,
-                         int64_t num_groups, int64_t m0, int64_t valid_rows, int64_t n_tile) {
+                         int64_t num_groups, int64_t m0, int64_t valid_rows, int64_t n_tile,
+                         int64_t k_begin, int64_t k_end, float* saved) {
   const TA* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
   const void* gather_index = p.gather_index; const int gather_is64 = p.gather_is64;
   const T* b = p.b; const int64_t b_stride_e = p.b_stride_e, b_stride_n = p.b_stride_n;
@@ -260,11 +261,14 @@ inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int6
     const int64_t n = n0 + (gated ? j % out_cols : j);
     b_n[j] = (n < N ? n : N - 1) + (gated && j >= out_cols ? up_offset : 0);
   }
+  // K chunks: partial sums of [k_begin, k_end) are added to those saved by earlier chunks; a
+  // chunk that does not end K saves them (lane-major, at saved) instead of finishing the tile.
+  const bool first = k_begin == 0, last = k_end == K;
   float acc[R][TN];
   #pragma unroll
   for (int i = 0; i < R; ++i)
     #pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+    for (int j = 0; j < TN; ++j) acc[i][j] = first ? 0.0f : saved[(i * TN + j) * kLanes + w.lane];
   if (g < num_groups) {
     const TA* a_row[R];
     #pragma unroll
@@ -277,8 +281,8 @@ inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int6
     for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + b_n[j] * b_stride_n;
     // Uniform trip count (every lane runs the same iterations), so the vectorizer emits
     // plain unmasked vector loads; the K remainder is one masked step.
-    const int64_t k_full = K - K % kLanes;
-    for (int64_t k0 = 0; k0 < k_full; k0 += kLanes) {
+    const int64_t k_full = last ? K - K % kLanes : k_end;  // chunks end at multiples of 16
+    for (int64_t k0 = k_begin; k0 < k_full; k0 += kLanes) {
       const int64_t k = k0 + w.lane;
       float bv[TN];
       #pragma unroll
@@ -290,7 +294,7 @@ inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int6
         for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
       }
     }
-    if (k_full < K) {
+    if (k_full < k_end) {
       const int64_t k = k_full + w.lane < K ? k_full + w.lane : K - 1;
       const float keep = k_full + w.lane < K ? 1.0f : 0.0f;
       float bv[TN];
@@ -302,6 +306,13 @@ inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int6
         #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
       }
+    }
+    if (!last) {
+      #pragma unroll
+      for (int i = 0; i < R; ++i)
+        #pragma unroll
+        for (int j = 0; j < TN; ++j) saved[(i * TN + j) * kLanes + w.lane] = acc[i][j];
+      return;
     }
     if (bias != nullptr)  // added once, to lane 0's partial sums
       #pragma unroll
@@ -367,8 +378,10 @@ inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int6
 // registers (a kernel holding both grew large enough that the CPU compiler outlined and
 // de-vectorized it). TA, the type of A, is T or (for 16-bit T) float: A is re-read for every
 // column tile while each B value serves a whole row tile, so for tall tiles a float copy of A
-// made once per call leaves only B to widen in the k loop.
-template <typename TA, typename T, typename TOut, int TM, int TN, bool Gated>
+// made once per call leaves only B to widen in the k loop. KChunk > 0 (CPU, tall tiles): units
+// of several row tiles walk K in chunks of KChunk, the row tiles' partial sums parked in
+// work-group local memory (one sub-group per work-group) between chunks.
+template <typename TA, typename T, typename TOut, int TM, int TN, bool Gated, int KChunk>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
 void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -378,6 +391,11 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                       int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
                       const void* scatter_index, int scatter_is64, const float* row_weight) {
   static_assert(!Gated || TN % 2 == 0, "gated tiles pair gate and up columns");
+  constexpr int kTileElems = TM * TN * kLanes;  // one row tile's partial sums, lane-major
+  float* partial = nullptr;  // [kUnitRows / TM][TM][TN][16]
+  if constexpr (KChunk > 0)
+    partial = *sycl::ext::oneapi::group_local_memory_for_overwrite<float[(kUnitRows / TM) * kTileElems]>(
+        sycl::ext::oneapi::this_work_item::get_work_group<1>());
   const Worker w = this_worker();
   const KLanesArgs<TA, T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
                               b_stride_n, bias, bias_stride_e, out, out_row_stride, out_rows, K, N,
@@ -388,19 +406,27 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       unit_cost<T, TM, TN>(),
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
-        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
-          const int64_t m0 = row_begin + m_tile * TM;
-          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
-          // A group's last row tile is often short (always, for experts with a row or two under
-          // skewed routing): run it with a shorter compiled tile instead of computing padding.
-          // (Only for tiles taller than 4: pairing a 1-row variant with the 4-row tile measured
-          // several times slower on the CPU device.)
-          if (TM > 4 && valid == 1)
-            k_lanes_tile<1, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
-          else if (TM > 4 && valid <= 4)
-            k_lanes_tile<(TM > 4 ? 4 : TM), TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
-          else
-            k_lanes_tile<TM, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile);
+        // Units of several row tiles walk K in chunks (KChunk > 0): every row tile runs a chunk
+        // while the unit's B rows stream from memory ahead of it, instead of the first row tile
+        // streaming them all and the others computing from cache with the memory idle.
+        const int64_t chunk = KChunk > 0 && m_last - m_first > 1 && g < num_groups ? KChunk : (K > 0 ? K : 1);
+        for (int64_t k_begin = 0; k_begin < (K > 0 ? K : 1); k_begin += chunk) {
+          const int64_t k_end = k_begin + chunk < K ? k_begin + chunk : K;
+          for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+            const int64_t m0 = row_begin + m_tile * TM;
+            const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+            float* saved = partial + (m_tile - m_first) * kTileElems;
+            // A group's last row tile is often short (always, for experts with a row or two under
+            // skewed routing): run it with a shorter compiled tile instead of computing padding.
+            // (Only for tiles taller than 4: pairing a 1-row variant with the 4-row tile measured
+            // several times slower on the CPU device.)
+            if (TM > 4 && valid == 1)
+              k_lanes_tile<1, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile, k_begin, k_end, saved);
+            else if (TM > 4 && valid <= 4)
+              k_lanes_tile<(TM > 4 ? 4 : TM), TN, Gated>(p, w, g, num_groups, m0, valid, n_tile, k_begin, k_end, saved);
+            else
+              k_lanes_tile<TM, TN, Gated>(p, w, g, num_groups, m0, valid, n_tile, k_begin, k_end, saved);
+          }
         }
       });
 }
@@ -858,14 +884,14 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_K_LANES(float, uint16_t, float, 6, 4, false), and registered under the
-// matching name "moe_xpu::moe_gemm_k_lanes<float, uint16_t, float, 6, 4, false>".
+// MOE_XPU_INSTANTIATE_K_LANES(float, uint16_t, float, 6, 4, false, 128), and registered under the
+// matching name "moe_xpu::moe_gemm_k_lanes<float, uint16_t, float, 6, 4, false, 128>".
 #define MOE_XPU_KERNEL_PARAMS(TA, T, TOut)                                                      \
   const TA*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const T*, int64_t, \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t,         \
       const void*, int, const float*
-#define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED) \
-  template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
+#define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED, KCHUNK) \
+  template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
 #define MOE_XPU_INSTANTIATE_MATRIX(TA, T, TOut, GATED)                                   \
   template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
 #define MOE_XPU_INSTANTIATE_MATRIX_KN(TA, T, TOut)                                       \
