@@ -75,8 +75,8 @@ constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTiles[] = {{1, 24}, {2, 8}};
 
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
-// is gated; bf16 with K-contiguous B runs on the matrix engine where there is one (see
-// matrix_engine_available).
+// is gated; bf16 runs on the matrix engine where there is one (see matrix_engine_available and
+// plan_gemm), with one matrix kernel per B layout.
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn };
 
 Family family_of(bool k_lanes, bool gated) {
