@@ -5,6 +5,7 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -168,16 +169,28 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, bo
   return args.str();
 }
 
-bool is_matrix(Family f) {
-  return f == Family::matrix || f == Family::matrix_gated || f == Family::matrix_kn;
+// The kernel template a family instantiates: moe_gemm_<base> in moe_gemm.cpp, instantiated there
+// by the macro MOE_XPU_INSTANTIATE_<BASE>(template arguments).
+std::string kernel_base(Family f) {
+  switch (f) {
+    case Family::k_lanes:
+    case Family::k_lanes_gated: return "k_lanes";
+    case Family::n_lanes: return "n_lanes";
+    case Family::matrix:
+    case Family::matrix_gated: return "matrix";
+    case Family::matrix_kn: return "matrix_kn";
+  }
+  throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
 
 std::string kernel_name(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
-  const char* base = f == Family::matrix_kn ? "matrix_kn<"
-                     : is_matrix(f)         ? "matrix<"
-                     : f == Family::n_lanes ? "n_lanes<"
-                                            : "k_lanes<";
-  return std::string("moe_xpu::moe_gemm_") + base + template_args(f, a, t, out, s, cpu) + ">";
+  return "moe_xpu::moe_gemm_" + kernel_base(f) + "<" + template_args(f, a, t, out, s, cpu) + ">";
+}
+
+std::string kernel_instantiation(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
+  std::string macro = kernel_base(f);
+  std::transform(macro.begin(), macro.end(), macro.begin(), [](unsigned char c) { return std::toupper(c); });
+  return "MOE_XPU_INSTANTIATE_" + macro + "(" + template_args(f, a, t, out, s, cpu) + ")\n";
 }
 
 // Bytes of one worker's scratch area in the matrix kernels (matrix_scratch_bytes in moe_gemm.cpp).
@@ -251,15 +264,7 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
       if (has_float_a_variant(f, t)) a_types.push_back(DType::float32);
       for (DType a : a_types) {
         names.push_back(kernel_name(f, a, t, out, s, cpu));
-        if (f == Family::matrix_kn)
-          inst << "MOE_XPU_INSTANTIATE_MATRIX_KN(" << type_name(a) << ", " << type_name(t) << ", "
-               << type_name(out) << ")\n";
-        else if (is_matrix(f))
-          inst << "MOE_XPU_INSTANTIATE_MATRIX(" << type_name(a) << ", " << type_name(t) << ", "
-               << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false") << ")\n";
-        else
-          inst << (f == Family::n_lanes ? "MOE_XPU_INSTANTIATE_N_LANES(" : "MOE_XPU_INSTANTIATE_K_LANES(")
-               << template_args(f, a, t, out, s, cpu) << ")\n";
+        inst << kernel_instantiation(f, a, t, out, s, cpu);
       }
     }
   source += inst.str();

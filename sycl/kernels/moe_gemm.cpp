@@ -892,9 +892,9 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
       const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED, KCHUNK) \
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
-#define MOE_XPU_INSTANTIATE_MATRIX(TA, T, TOut, GATED)                                   \
-  template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
-#define MOE_XPU_INSTANTIATE_MATRIX_KN(TA, T, TOut)                                       \
-  template void moe_xpu::moe_gemm_matrix_kn<TA, TOut>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
+#define MOE_XPU_INSTANTIATE_MATRIX(TA, TOut, GATED) \
+  template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
+#define MOE_XPU_INSTANTIATE_MATRIX_KN(TA, TOut) \
+  template void moe_xpu::moe_gemm_matrix_kn<TA, TOut>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
 #define MOE_XPU_INSTANTIATE_N_LANES(TA, T, TOut, TM, TN, KCHUNK) \
   template void moe_xpu::moe_gemm_n_lanes<TA, T, TOut, TM, TN, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
