@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 
 import torch
@@ -43,8 +44,6 @@ def info(warm_up: bool = False) -> None:
         print(f"  sub-groups     {list(d.sub_group_sizes)}")
         print(f"  max work-group {d.max_work_group_size}")
         print(f"  local memory   {d.local_mem_size} bytes")
-        import os
-
         target = os.environ.get("CL_CONFIG_CPU_TARGET_ARCH", "default")
         engine = "AMX via joint_matrix (bf16)" if d.matrix_engine else "none (vector kernels only)"
         print(f"  matrix engine  {engine}; OpenCL CPU target {target}")
@@ -60,8 +59,6 @@ def info(warm_up: bool = False) -> None:
 
 
 def _persistent() -> bool:
-    import os
-
     return os.environ.get("SYCL_CACHE_PERSISTENT", "0") == "1"
 
 

@@ -19,15 +19,6 @@ LAYOUTS = ["kn", "linear"]  # contiguous [E, K, N]; nn.Linear weights [E, N, K] 
 BACKENDS = ["sycl", "torch"]
 
 
-@pytest.fixture
-def C():
-    """The launcher module, for tests that drive it directly (tile and worker overrides)."""
-    module = _runtime.sycl_module()
-    if module is None:
-        pytest.skip("SYCL launcher not built")
-    return module
-
-
 def make_b(E, K, N, dtype, layout):
     if layout == "kn":
         return torch.randn(E, K, N, dtype=dtype)
