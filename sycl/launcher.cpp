@@ -144,7 +144,8 @@ bool matrix_engine_available(const sycl::queue& q) {
 // slice in L1 (measured 1.85x faster at 16 rows per expert). K-split (moe_gemm_k_lanes): chunks
 // of 128 let a unit's weight rows stream from memory while its row tiles compute, instead of
 // the first row tile streaming them and the rest computing with the memory idle (bench prefill
-// float32 113 -> 98 ms, 64tok 55 -> 52 ms; chunks of 64 gained nothing, 256 and 512 less).
+// float32 113 -> 98 ms, 64tok 55 -> 52 ms; chunks of 64 gained nothing, 256 and 512 less;
+// units of many row tiles take 4x longer chunks, see moe_gemm_k_lanes).
 // Elsewhere (and for the decode tile, where a B slice serves one row tile) no chunking, which
 // also keeps work-group local memory free on GPUs.
 int k_chunk(Family f, bool cpu, TileShape s) {
