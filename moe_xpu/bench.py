@@ -14,6 +14,13 @@ GFLOP/s of a large float32 torch.mm, the memory ceiling the read bandwidth of a 
 tensor far larger than the caches; a case's roofline time is the larger of its FLOPs over the
 compute ceiling and the bytes it must read (the touched experts' weights plus the activations)
 over the memory ceiling.
+
+Every timed call starts with a cold last-level cache (--cache cold, the default): the bench first
+writes over a buffer at least twice the cache's size, on one thread (numpy) so that no thread pool
+is left spinning against the call. Layers of a model do not find their experts' weights in cache
+(the model is far larger), and the roofline's memory ceiling is read from memory; with a warm
+cache the decode-sized weights (0.2-0.4 GB) partly fit this host's 480 MB L3, and which peer found
+them there depended on the order of the calls. --cache warm times calls back to back instead.
 """
 
 from __future__ import annotations
@@ -68,14 +75,32 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> floa
     return times[len(times) // 2]
 
 
-def median_times(impls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+class CacheFlush:
+    """Evicts the caches by writing over a buffer of at least twice the last-level cache (and at
+    least 1 GiB). numpy does the writing on the calling thread: a torch op would leave its OpenMP
+    pool spinning into the timed call, taking cores from whichever implementation runs next."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self._buffer = np.zeros(max(1 << 30, 2 * _last_level_cache_bytes()) // 4, dtype=np.float32)
+
+    def __call__(self) -> None:
+        self._buffer += 1.0
+
+
+def median_times(impls: dict[str, Callable[[], object]], repeats: int,
+                 flush: Callable[[], None] | None = None) -> dict[str, float]:
     """Median time of each implementation, timed round-robin (every repeat runs each one once) so
-    that a slow spell of the machine falls on all of them alike, not on one."""
+    that a slow spell of the machine falls on all of them alike, not on one. With `flush`, it runs
+    before every timed call (outside the timed region)."""
     for fn in impls.values():
         fn()  # warm-up: kernel build or cache load, first-touch of outputs
     samples: dict[str, list[float]] = {name: [] for name in impls}
     for _ in range(repeats):
         for name, fn in impls.items():
+            if flush is not None:
+                flush()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
@@ -191,7 +216,8 @@ def gemm_inputs(case: GemmCase, dtype: torch.dtype, gen: torch.Generator, layout
     return a, torch.randn(case.experts, case.K, case.N, generator=gen).to(dtype)
 
 
-def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, routing: str) -> list[Row]:
+def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, routing: str,
+               flush: Callable[[], None] | None = None) -> list[Row]:
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
     for case in cases:
@@ -209,7 +235,7 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, rou
                 "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
                 "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
             }
-            times = median_times(impls, repeats)
+            times = median_times(impls, repeats, flush)
             for name, t in times.items():
                 rows.append(
                     Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
@@ -248,7 +274,8 @@ def unfused_moe_pipeline(x, gate_up, down, weights, ids):
     return weighted_slot_sum(y, s.scatter_index, weights, x.dtype)
 
 
-def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int) -> list[Row]:
+def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
+              flush: Callable[[], None] | None = None) -> list[Row]:
     import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -285,14 +312,14 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int) -> list[Row]:
                 "moe_xpu unfused": lambda: unfused_moe_pipeline(x, experts.gate_up_proj, experts.down_proj, w, ids),
             }
             with torch.no_grad():
-                times = median_times(impls, repeats)
+                times = median_times(impls, repeats, flush)
             for name, t in times.items():
                 rows.append(Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
                                 100 * roofline_s / t, t / times["moe_xpu fused"]))
     return rows
 
 
-def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int) -> None:
+def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int, flush: Callable[[], None] | None = None) -> None:
     """moe_gemm and fused_moe under Zipf-skewed routing beside uniform routing with the same rows
     and touched experts, timed round-robin in one process (the issue-4 bar: at most 1.15x)."""
     print(f"Zipf-skewed vs uniform routing, same rows and touched experts, median of {repeats}, round-robin")
@@ -310,7 +337,7 @@ def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int) -> None:
         top = int(torch.diff(offsets["zipf"], prepend=offsets["zipf"].new_zeros(1)).max())
         for dtype in dtypes:
             a, b = gemm_inputs(case, dtype, gen, "linear")
-            t = median_times({r: (lambda o=o: moe_xpu.moe_gemm(a, b, o)) for r, o in offsets.items()}, repeats)
+            t = median_times({r: (lambda o=o: moe_xpu.moe_gemm(a, b, o)) for r, o in offsets.items()}, repeats, flush)
             line("moe_gemm", case.name, dtype, t, top, case.rows)
     for case in moe_cases:
         logits = torch.randn(case.tokens, case.experts, generator=gen)
@@ -323,7 +350,7 @@ def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int) -> None:
             down = (torch.randn(case.experts, case.H, case.I, generator=gen) * 0.02).to(dtype)
             w = weights.to(dtype)
             t = median_times({r: (lambda i=i: moe_xpu.fused_moe(x, gate_up, down, w, i)) for r, i in routed.items()},
-                             repeats)
+                             repeats, flush)
             line("fused_moe", case.name, dtype, t, top, case.tokens * case.top_k)
 
 
@@ -391,15 +418,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", choices=["uniform", "zipf"], default="uniform",
                         help="gemm: expert popularity; zipf keeps the rows and touched experts of uniform")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache", choices=["cold", "warm"], default="cold",
+                        help="cold (default): evict the caches before every timed call; warm: back to back")
     parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
     args = parser.parse_args(argv)
 
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     wanted = args.cases.split(",")
     print(f"machine: {machine_line()}")
+    flush = CacheFlush() if args.cache == "cold" else None
+    print(f"cache: {args.cache} (see --help)")
     if args.suite == "skew":
         bench_skew([c for c in GEMM_CASES if c.name in wanted], [c for c in MOE_CASES if c.name in wanted],
-                   dtypes, args.repeats)
+                   dtypes, args.repeats, flush)
         return 0
     ceilings = measure_ceilings(args.repeats)
     print(f"ceilings: compute {ceilings.gflops:.0f} GFLOP/s (float32 torch.mm 4096^3), "
@@ -409,12 +440,13 @@ def main(argv: list[str] | None = None) -> int:
                          torch.ones(1, dtype=torch.int32))
     if args.suite == "gemm":
         rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats,
-                          args.layout, args.routing)
-        title = f"moe_gemm vs peers, weights {args.layout}, {args.routing} routing, median of {args.repeats}"
+                          args.layout, args.routing, flush)
+        title = (f"moe_gemm vs peers, weights {args.layout}, {args.routing} routing, {args.cache} cache, "
+                 f"median of {args.repeats}")
         speedup_of = "moe_xpu"
     else:
-        rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats)
-        title = f"fused_moe vs peers, median of {args.repeats}"
+        rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats, flush)
+        title = f"fused_moe vs peers, {args.cache} cache, median of {args.repeats}"
         speedup_of = "moe_xpu fused"
     print_table(rows, title + f" (speed-up = peer time / {speedup_of} time)")
     if args.plot:

@@ -28,3 +28,20 @@ def test_skewed_topk_ids_route_each_token_to_distinct_experts():
     assert torch.equal(skewed.unique(), ids.unique())
     top = int(torch.bincount(skewed.flatten()).max())
     assert top == T  # capped at one slot per token, and the skew reaches the cap
+
+
+def test_median_times_flushes_before_every_timed_call():
+    calls: list[str] = []
+    impls = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    times = bench.median_times(impls, repeats=3, flush=lambda: calls.append("flush"))
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    # one untimed warm-up call each, then every timed call right after a flush
+    assert calls == ["a", "b"] + ["flush", "a", "flush", "b"] * 3
+
+
+def test_cache_flush_buffer_exceeds_twice_the_last_level_cache():
+    flush = bench.CacheFlush()
+    assert flush._buffer.nbytes >= max(1 << 30, 2 * bench._last_level_cache_bytes())
+    before = float(flush._buffer[0])
+    flush()
+    assert float(flush._buffer[-1]) == before + 1.0  # written end to end
