@@ -436,12 +436,12 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
         // while the unit's B rows stream from memory ahead of it, instead of the first row tile
         // streaming them all and the others computing from cache with the memory idle. Units of
         // kLongChunkTiles or more row tiles compute long enough per chunk that parking their
-        // partial sums costs more than the overlap gains: they take chunks four times longer
+        // partial sums costs more than the overlap gains: they take chunks twice as long
         // (cache-resident float32 167 -> 190 GFLOP/s; bench skew prefill float32 Zipf 125 -> 119
         // ms, its top expert's units being full; uniform routing, 2-3 tiles a unit, unchanged).
         const int64_t tiles = m_last - m_first;
         const int64_t chunk = KChunk > 0 && tiles > 1 && g < num_groups
-                                  ? (tiles >= kLongChunkTiles ? 4 * KChunk : KChunk)
+                                  ? (tiles >= kLongChunkTiles ? 2 * KChunk : KChunk)
                                   : (K > 0 ? K : 1);
         for (int64_t k_begin = 0; k_begin < (K > 0 ? K : 1); k_begin += chunk) {
           const int64_t k_end = k_begin + chunk < K ? k_begin + chunk : K;
