@@ -386,7 +386,7 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     ax.set_xticklabels([f"{c}\n{d}" for c, d in groups], fontsize=8)
     ax.set_ylabel("% of measured roofline (higher is better)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
