@@ -322,7 +322,8 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
 def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int, flush: Callable[[], None] | None = None) -> None:
     """moe_gemm and fused_moe under Zipf-skewed routing beside uniform routing with the same rows
     and touched experts, timed round-robin in one process (the issue-4 bar: at most 1.15x)."""
-    print(f"Zipf-skewed vs uniform routing, same rows and touched experts, median of {repeats}, round-robin")
+    print(f"Zipf-skewed vs uniform routing, same rows and touched experts, median of {repeats}, round-robin, "
+          f"{'cold' if flush is not None else 'warm'} cache")
     header = f"{'op':<10} {'case':<11} {'dtype':<9} {'uniform ms':>11} {'zipf ms':>9} {'zipf / uniform':>15} {'top expert rows':>16}"
     print(header)
     print("-" * len(header))
