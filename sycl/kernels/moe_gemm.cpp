@@ -637,6 +637,24 @@ inline int64_t matrix_tile_rows(int64_t rows, int64_t t) {
   return rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
 }
 
+// The token rows a matrix-kernel worker holds in its scratch, packed once per (group, row block):
+// a worker's consecutive units share them (see for_each_owned_unit).
+struct HeldRowBlock {
+  int64_t group = -1, block = -1;
+  // Unless already held, calls pack_tile(j, m0, valid) for token tile j of row block
+  // [m_first, m_last) of group g (rows from row_begin, `rows` in all): its first output row m0
+  // and its real rows.
+  template <typename PackTileFn>
+  void hold(int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last,
+            PackTileFn&& pack_tile) {
+    if (g == group && m_first == block) return;
+    for (int64_t t = m_first; t < m_last; ++t)
+      pack_tile(t - m_first, row_begin + t * kMatToks, matrix_tile_rows(rows, t));
+    group = g;
+    block = m_first;
+  }
+};
+
 inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
 inline uint32_t bf16_pair(float lo, float hi) {
   return bf16_pair(FromFloat<uint16_t>::convert(lo), FromFloat<uint16_t>::convert(hi));
@@ -714,7 +732,7 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
   // columns, whose gate and up weight rows make the two weight tiles.
   constexpr int out_cols = Gated ? kMatRows : 2 * kMatRows;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
-  int64_t packed_group = -1, packed_block = -1;  // what `packed` holds
+  HeldRowBlock held;  // what `packed` holds
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, kMatToks, kMatTokTiles,
       tiles_n, UnitCost{1, 14},
@@ -726,16 +744,10 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
                            out_cols, N, w.lane);
           return;
         }
-        if (g != packed_group || m_first != packed_block) {
-          for (int64_t t = m_first; t < m_last; ++t) {
-            const int64_t valid = matrix_tile_rows(rows, t);
-            matrix_pack_rows(a, a_row_stride, a_rows, gather_index, gather_is64,
-                             row_begin + t * kMatToks, valid, K, w.lane,
-                             packed + (t - m_first) * (K / 2) * kMatToks);
-          }
-          packed_group = g;
-          packed_block = m_first;
-        }
+        held.hold(g, row_begin, rows, m_first, m_last, [&](int64_t j, int64_t m0, int64_t valid) {
+          matrix_pack_rows(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, w.lane,
+                           packed + j * (K / 2) * kMatToks);
+        });
         // The two weight tiles: rows n0.. and n0 + 16.. (gated: the up rows n0 + up_offset..).
         // A plain unit at the last 16 columns repeats its first tile and stores only that one.
         const bool second_stored = Gated || n0 + kMatRows < N;
@@ -805,7 +817,7 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
   float* partial = reinterpret_cast<float*>(mine + matrix_a_bytes(K) + kKnPackedBytes);  // [4][kKnTiles][16][16]
   float* stored = partial + kKnPartialBytes / 4;                                  // [2][16][16]
   const int64_t tiles_n = (N + kKnCols - 1) / kKnCols;
-  int64_t packed_group = -1, packed_block = -1;  // what rows_a holds
+  HeldRowBlock held;  // what rows_a holds
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, kMatToks, kMatTokTiles,
       tiles_n, UnitCost{kKnTiles / 2, 7 * kKnTiles},
@@ -818,19 +830,14 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
                            kKnCols, N, w.lane);
           return;
         }
-        if (g != packed_group || m_first != packed_block) {
-          for (int64_t t = m_first; t < m_last; ++t) {
-            const int64_t valid = matrix_tile_rows(rows, t);
-            for (int64_t i = 0; i < kMatToks; ++i) {  // rows past valid repeat the last one
-              const int64_t m = row_begin + t * kMatToks + (i < valid ? i : valid - 1);
-              const TA* src = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
-              uint16_t* dst = rows_a + ((t - m_first) * kMatToks + i) * K;
-              for (int64_t k = w.lane; k < K; k += kLanes) dst[k] = FromFloat<uint16_t>::convert(to_float(src[k]));
-            }
+        held.hold(g, row_begin, rows, m_first, m_last, [&](int64_t j, int64_t m0, int64_t valid) {
+          for (int64_t i = 0; i < kMatToks; ++i) {  // rows past valid repeat the last one
+            const int64_t m = m0 + (i < valid ? i : valid - 1);
+            const TA* src = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+            uint16_t* dst = rows_a + (j * kMatToks + i) * K;
+            for (int64_t k = w.lane; k < K; k += kLanes) dst[k] = FromFloat<uint16_t>::convert(to_float(src[k]));
           }
-          packed_group = g;
-          packed_block = m_first;
-        }
+        });
         const int tiles = int(cols / kMatRows);
         const uint16_t* b_g = b + g * b_stride_e + n0;
         for (int64_t k0 = 0; k0 < K; k0 += kKnChunk) {
