@@ -75,7 +75,8 @@ PYBIND11_MODULE(_C, m) {
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
-  m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false);
+  m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false,
+        py::arg("queue") = 0);
   m.def("device_info", &moe_xpu::device_info, py::arg("queue") = 0);
   m.def("cpu_device_available", &moe_xpu::cpu_device_available);
   m.def("warm_up", &moe_xpu::warm_up, py::arg("queue"), py::arg("dtype"), py::arg("out_dtype"),

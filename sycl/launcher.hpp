@@ -78,8 +78,9 @@ struct LaunchPlan {
 
 LaunchPlan plan_gemm(const GemmArgs& args);
 // The (tile_m, tile_n) shapes compiled for one kernel family (k_lanes: K-contiguous B; gated:
-// with the gated-activation epilogue, K-contiguous B only). The first is the decode shape.
-std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false);
+// with the gated-activation epilogue, K-contiguous B only) on the device of a queue (0: the SYCL CPU
+// device). The first is the decode shape.
+std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, std::uintptr_t queue = 0);
 // Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);

@@ -405,3 +405,34 @@ def test_k_split_kernel_k_chunks(K, dtype, C):
     expected = F.silu(plain[:, :I]) * plain[:, I:]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(gated.double(), expected, rtol=tol, atol=tol * max(1.0, expected.abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,offset", [(2088, 0), (4100, 0), (77, 0), (2051, 0), (300, 1)])
+@pytest.mark.parametrize("K", [1, 3, 130])
+def test_kn_decode_row_stream(dtype, N, offset, K, C):
+    """[E, K, N] weights at one or two rows per group: on the CPU the N-split kernel's decode tile
+    streams whole B rows of 2048-column blocks with its sums in work-group local memory. Several
+    blocks with a partial last one, N below one block, K below and past its 4-row passes with a
+    remainder, bf16 read as column pairs (aligned rows, even N) or element-wise (odd N, or rows
+    off 4-byte alignment: offset 1); gather, bias, a float32 output, empty groups, the zeroed
+    tail, and worker counts that cut the unit list anywhere."""
+    E = 7
+    storage = torch.randn(E * K * (N + offset) + offset, dtype=dtype)
+    b = storage[offset:offset + E * K * (N + offset)].view(E, K, N + offset)[:, :, :N]
+    a = torch.randn(9, K, dtype=dtype)
+    offs = offsets([1, 2, 0, 1, 0, 2, 1])  # 7 rows: ungathered, a's last 2 are the zeroed tail
+    gi = torch.tensor([3, 0, 8, 8, 5, 1, 2])
+    bias = torch.randn(E, N, dtype=dtype)
+    a_, b_, offs_, gi_, bias_ = ops.kernel_ready(a, b, offs, gi, bias)
+    assert C.plan_gemm(ops.gemm_args(a_, b_, offs_, gi_, bias_, torch.empty(7, N))).tile_m == 1
+    first = None
+    for workers in [0, 1, 3, 100]:
+        out = torch.full((7, N), float("nan"))
+        args = ops.gemm_args(a_, b_, offs_, gi_, bias_, out)
+        args.num_workers = workers
+        C.moe_gemm(args)
+        assert_matches_reference(out, a, b, offs, gather_index=gi, bias=bias, out_dtype=torch.float32)
+        first = out if first is None else first
+        assert torch.equal(out, first), "worker count must not change the result"
+    assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
