@@ -146,8 +146,9 @@ bool matrix_engine_available(const sycl::queue& q) {
 }
 
 // The vector kernels' K chunk: on the CPU device, tiles of several rows walk K in chunks, their
-// partial sums in work-group local memory. N-split (moe_gemm_n_lanes): chunks of 64 keep the B
-// slice in L1 (measured 1.85x faster at 16 rows per expert). K-split (moe_gemm_k_lanes): chunks
+// partial sums in work-group local memory. N-split (moe_gemm_n_lanes): chunks of 16 B rows, read
+// across a block of column tiles (see n_lanes_unit_shape; chunks of 8 and 32 measured 2-10%
+// slower on the [E, K, N] bench cases). K-split (moe_gemm_k_lanes): chunks
 // of 256 let a unit's weight rows stream from memory while its row tiles compute, instead of
 // the first row tile streaming them and the others computing with the memory idle (bench prefill
 // float32 113 -> 98 ms, 64tok 55 -> 52 ms with chunks of 128; 256 measured the same on those and
@@ -157,7 +158,7 @@ bool matrix_engine_available(const sycl::queue& q) {
 // also keeps work-group local memory free on GPUs.
 int k_chunk(Family f, bool cpu, TileShape s) {
   if (!cpu || s.tile_m <= 1) return 0;
-  return f == Family::n_lanes ? 64 : 256;
+  return f == Family::n_lanes ? 16 : 256;
 }
 
 // The template arguments of one kernel variant, as written in its name and its instantiation.

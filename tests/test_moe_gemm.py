@@ -436,3 +436,28 @@ def test_kn_decode_row_stream(dtype, N, offset, K, C):
         first = out if first is None else first
         assert torch.equal(out, first), "worker count must not change the result"
     assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kn_units_span_column_blocks(dtype, C):
+    """[E, K, N] weights on the N-split kernel's tall tile: on the CPU a unit is a row block
+    across a block of column tiles, K walked in chunks of 16 with the column tiles inside the
+    chunk loop. N of 26 column tiles (three blocks, a partial last tile), a group spanning two row
+    blocks, a three-row group, an empty one, the zeroed tail; K with a remainder chunk; bias;
+    worker counts that cut the unit list anywhere."""
+    E, K, N = 3, 37, 3300
+    a = torch.randn(50, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, "kn")
+    bias = torch.randn(E, N, dtype=dtype)
+    offs = offsets([40, 3, 0])  # 43 rows; rows 43-49 are the zeroed tail
+    a_, b_, offs_, _, bias_ = ops.kernel_ready(a, b, offs, None, bias)
+    first = None
+    for workers in [0, 1, 5]:
+        out = torch.full((50, N), float("nan"), dtype=dtype)
+        args = ops.gemm_args(a_, b_, offs_, None, bias_, out)
+        args.engine, args.num_workers = 1, workers
+        assert C.plan_gemm(args).tile_m > 1
+        C.moe_gemm(args)
+        assert_matches_reference(out, a, b, offs, bias=bias)
+        first = out if first is None else first
+        assert torch.equal(out, first), "worker count must not change the result"
