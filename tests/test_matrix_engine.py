@@ -159,11 +159,12 @@ def test_public_api_picks_the_engine_for_tall_groups(C):
     assert not plan(1).matrix_engine
     assert not plan(16, k=40).matrix_engine  # K not a multiple of 32
     assert plan(16, layout="kn").matrix_engine
-    # one row per expert: the engine only for experts whose weights (>= 4 MB) stream from memory
+    # one row per expert: the engine only for K-contiguous experts whose weights (>= 4 MB) stream
+    # from memory; [E, K, N] weights go to the vector kernel's streaming decode tile on the CPU
     a1 = torch.randn(2, 2048, dtype=torch.bfloat16)
     out1 = torch.empty(2, 1024, dtype=torch.bfloat16)
-    for n, expected in ((1024, True), (512, False)):
-        b1 = make_b(2, 2048, n, torch.bfloat16, "linear")
+    for n, layout, expected in ((1024, "linear", True), (512, "linear", False), (1024, "kn", False)):
+        b1 = make_b(2, 2048, n, torch.bfloat16, layout)
         args = ops.gemm_args(a1, b1, offsets([1, 1]), None, None, out1[:, :n])
         assert C.plan_gemm(args).matrix_engine == expected
     a = torch.randn(E * 16, K, dtype=torch.bfloat16)
