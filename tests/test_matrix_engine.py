@@ -159,6 +159,7 @@ def test_public_api_picks_the_engine_for_tall_groups(C):
     assert not plan(1).matrix_engine
     assert not plan(16, k=40).matrix_engine  # K not a multiple of 32
     assert plan(16, layout="kn").matrix_engine
+    assert plan(3).matrix_engine and not plan(3, layout="kn").matrix_engine  # kn: from 5 rows a group
     # one row per expert: the engine only for K-contiguous experts whose weights (>= 4 MB) stream
     # from memory; [E, K, N] weights go to the vector kernel's streaming decode tile on the CPU
     a1 = torch.randn(2, 2048, dtype=torch.bfloat16)
