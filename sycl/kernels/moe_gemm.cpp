@@ -242,9 +242,10 @@ __attribute__((always_inline)) inline void fma_step(float (&acc)[R][TN], const T
   }
 }
 
-// The vector kernels' K chunks (KChunk > 0, CPU): a unit's row tiles run each chunk in turn and
+// The K-split kernel's K chunks (KChunk > 0, CPU): a unit's row tiles run each chunk in turn and
 // park their partial sums in work-group local memory in between (one sub-group per work-group):
-// [kUnitRows / TM row tiles][TM][TN][16 lanes]. nullptr without chunks.
+// [kUnitRows / TM row tiles][TM][TN][16 lanes]. nullptr without chunks. (The N-split kernel's
+// units also span column tiles: see n_lanes_unit_shape.)
 template <int TM, int TN, int KChunk>
 inline float* unit_partial_sums() {
   if constexpr (KChunk > 0)
