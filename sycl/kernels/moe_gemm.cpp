@@ -242,17 +242,33 @@ __attribute__((always_inline)) inline void fma_step(float (&acc)[R][TN], const T
   }
 }
 
-// The K-split kernel's K chunks (KChunk > 0, CPU): a unit's row tiles run each chunk in turn and
-// park their partial sums in work-group local memory in between (one sub-group per work-group):
-// [kUnitRows / TM row tiles][TM][TN][16 lanes]. nullptr without chunks. (The N-split kernel's
-// units also span column tiles: see n_lanes_unit_shape.)
-template <int TM, int TN, int KChunk>
-inline float* unit_partial_sums() {
+// Count floats of work-group local memory (the vector kernels run one sub-group per work-group on
+// the CPU, so it is that sub-group's own).
+template <int64_t Count>
+inline float* local_floats() {
+  return *sycl::ext::oneapi::group_local_memory_for_overwrite<float[Count]>(
+      sycl::ext::oneapi::this_work_item::get_work_group<1>());
+}
+
+// The vector kernels' K chunks (KChunk > 0, CPU): a unit's row tiles run each chunk in turn and
+// park their partial sums in work-group local memory in between: [Tiles][TM][TN][16 lanes].
+// nullptr without chunks.
+template <int64_t Tiles, int TM, int TN, int KChunk>
+inline float* partial_sums_area() {
   if constexpr (KChunk > 0)
-    return *sycl::ext::oneapi::group_local_memory_for_overwrite<float[(kUnitRows / TM) * TM * TN * kLanes]>(
-        sycl::ext::oneapi::this_work_item::get_work_group<1>());
+    return local_floats<Tiles * TM * TN * kLanes>();
   else
     return nullptr;
+}
+
+// bf16 B whose rows start 4-byte aligned can be read as 32-bit words of two adjacent columns,
+// each widened with one integer op.
+inline bool bf16_words_readable(const void* b, int64_t b_stride_e, int64_t b_stride_k) {
+  return (reinterpret_cast<uintptr_t>(b) & 3) == 0 && (b_stride_e | b_stride_k) % 2 == 0;
+}
+inline void widen_bf16_word(uint32_t word, float& lo, float& hi) {
+  lo = sycl::bit_cast<float>(word << 16);
+  hi = sycl::bit_cast<float>(word & 0xffff0000u);
 }
 
 // A tile's parked partial sums: element (i, j) at lane_saved[(i * TN + j) * 16], where lane_saved
@@ -274,24 +290,27 @@ inline void resume_partial_sums(float (&acc)[R][TN], bool from_saved, const floa
     for (int j = 0; j < TN; ++j) acc[i][j] = from_saved ? lane_saved[(i * TN + j) * kLanes] : 0.0f;
 }
 
-// The K-split kernel's arguments, handed to its row-tile bodies in one piece. A may be wider than
-// B (float A with 16-bit B: the launcher's caller widened A once, so the k loop converts only B).
+// A vector kernel's arguments, in its parameter order, handed to its bodies in one piece.
+// b_stride_other is B's stride along the dimension the lanes do not split (N for the K-split
+// kernel, K for the N-split one). A may be wider than B (float A with 16-bit B: the launcher's
+// caller widened A once, so the k loop converts only B).
 template <typename TA, typename T, typename TOut>
-struct KLanesArgs {
+struct VectorArgs {
   const TA* a; int64_t a_row_stride; int64_t a_rows; const void* gather_index; int gather_is64;
-  const T* b; int64_t b_stride_e; int64_t b_stride_n; const T* bias; int64_t bias_stride_e;
-  TOut* out; int64_t out_row_stride; int64_t out_rows; int64_t K; int64_t N; int activation;
-  int64_t up_offset; const void* scatter_index; int scatter_is64; const float* row_weight;
+  const T* b; int64_t b_stride_e; int64_t b_stride_other; const T* bias; int64_t bias_stride_e;
+  TOut* out; int64_t out_row_stride; int64_t out_rows; const void* group_offsets; int offsets_is64;
+  int64_t num_groups; int64_t K; int64_t N; int activation; int64_t up_offset;
+  const void* scatter_index; int scatter_is64; const float* row_weight;
 };
 
 // One R x TN tile of the K-split kernel at rows m0 .. m0 + valid_rows - 1 of group g.
 template <int R, int TN, bool Gated, typename TA, typename T, typename TOut>
-inline void k_lanes_tile(const KLanesArgs<TA, T, TOut>& p, const Worker& w, int64_t g,
+inline void k_lanes_tile(const VectorArgs<TA, T, TOut>& p, const Worker& w, int64_t g,
                          int64_t num_groups, int64_t m0, int64_t valid_rows, int64_t n_tile,
                          int64_t k_begin, int64_t k_end, float* saved) {
   const TA* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
   const void* gather_index = p.gather_index; const int gather_is64 = p.gather_is64;
-  const T* b = p.b; const int64_t b_stride_e = p.b_stride_e, b_stride_n = p.b_stride_n;
+  const T* b = p.b; const int64_t b_stride_e = p.b_stride_e, b_stride_n = p.b_stride_other;
   const T* bias = p.bias; const int64_t bias_stride_e = p.bias_stride_e;
   TOut* out = p.out; const int64_t out_row_stride = p.out_row_stride, out_rows = p.out_rows;
   const int64_t K = p.K, N = p.N, up_offset = p.up_offset;
@@ -438,11 +457,12 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                       const void* scatter_index, int scatter_is64, const float* row_weight) {
   static_assert(!Gated || TN % 2 == 0, "gated tiles pair gate and up columns");
   constexpr int kTileElems = TM * TN * kLanes;  // one row tile's partial sums, lane-major
-  float* partial = unit_partial_sums<TM, TN, KChunk>();
+  float* partial = partial_sums_area<kUnitRows / TM, TM, TN, KChunk>();
   const Worker w = this_worker();
-  const KLanesArgs<TA, T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
-                              b_stride_n, bias, bias_stride_e, out, out_row_stride, out_rows, K, N,
-                              activation, up_offset, scatter_index, scatter_is64, row_weight};
+  const VectorArgs<TA, T, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e,
+                                  b_stride_n, bias, bias_stride_e, out, out_row_stride, out_rows,
+                                  group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
+                                  scatter_index, scatter_is64, row_weight};
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   for_each_owned_unit(
@@ -480,16 +500,6 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
         }
       });
 }
-
-// The N-split kernel's arguments, handed to its one-row streaming body in one piece.
-template <typename TA, typename T, typename TOut>
-struct NLanesArgs {
-  const TA* a; int64_t a_row_stride; int64_t a_rows; const void* gather_index; int gather_is64;
-  const T* b; int64_t b_stride_e; int64_t b_stride_k; const T* bias; int64_t bias_stride_e;
-  TOut* out; int64_t out_row_stride; int64_t out_rows; const void* group_offsets; int offsets_is64;
-  int64_t num_groups; int64_t K; int64_t N; const void* scatter_index; int scatter_is64;
-  const float* row_weight;
-};
 
 // N-split tiles at most this many vectors wide keep their sums in registers; wider one-row tiles
 // (the CPU's decode tile) stream B rows with their sums in work-group local memory.
@@ -546,15 +556,15 @@ inline void row_stream_k(float* lane_sums, const TA* a_row, int64_t K, int64_t r
 // in sum vectors 2 v and 2 v + 1. [E, K, N] decode, weights not in cache: float32 19.5 -> 14.4
 // ms (grouped_mm 15.8), bfloat16 12.9 -> 9.3 ms (matrix engine 13.2).
 template <int TN, typename TA, typename T, typename TOut>
-inline void n_lanes_row_stream(const NLanesArgs<TA, T, TOut>& p) {
-  float* sums = *sycl::ext::oneapi::group_local_memory_for_overwrite<float[TN * kLanes]>(
-      sycl::ext::oneapi::this_work_item::get_work_group<1>());
+inline void n_lanes_row_stream(const VectorArgs<TA, T, TOut>& p) {
+  float* sums = local_floats<TN * kLanes>();
   const Worker w = this_worker();
+  const int64_t b_stride_k = p.b_stride_other;
   float* lane_sums = sums + w.lane;
   const int64_t tile_n = int64_t(kLanes) * TN;
   const int64_t tiles_n = (p.N + tile_n - 1) / tile_n;
-  const bool pairs = std::is_same_v<T, uint16_t> && (reinterpret_cast<uintptr_t>(p.b) & 3) == 0 &&
-                     (p.b_stride_e | p.b_stride_k | p.N) % 2 == 0;
+  const bool pairs = std::is_same_v<T, uint16_t> && bf16_words_readable(p.b, p.b_stride_e, b_stride_k) &&
+                     p.N % 2 == 0;
   for_each_owned_unit(
       w.id, w.count, p.group_offsets, p.offsets_is64, p.num_groups, p.out_rows, 1, kUnitRows, tiles_n,
       unit_cost<T, 1, TN>(),
@@ -573,18 +583,16 @@ inline void n_lanes_row_stream(const NLanesArgs<TA, T, TOut>& p) {
             // Lanes past the block in the last read unit read its first one instead (not stored).
             if (pairs) {
               const uint32_t* words = reinterpret_cast<const uint32_t*>(b_block) + w.lane;
-              const int64_t word_stride = p.b_stride_k / 2, units = sum_vectors / 2;
+              const int64_t word_stride = b_stride_k / 2, units = sum_vectors / 2;
               const int64_t last = (units - 1) * kLanes + w.lane < cols / 2 ? (units - 1) * kLanes : 0;
               row_stream_k<2>(lane_sums, a_row, p.K, units, last, [&](int64_t k, int64_t offset, float (&bv)[2]) {
-                const uint32_t word = words[k * word_stride + offset];
-                bv[0] = sycl::bit_cast<float>(word << 16);
-                bv[1] = sycl::bit_cast<float>(word & 0xffff0000u);
+                widen_bf16_word(words[k * word_stride + offset], bv[0], bv[1]);
               });
             } else {
               const T* b_lane = b_block + w.lane;
               const int64_t last = (sum_vectors - 1) * kLanes + w.lane < cols ? (sum_vectors - 1) * kLanes : 0;
               row_stream_k<1>(lane_sums, a_row, p.K, sum_vectors, last, [&](int64_t k, int64_t offset, float (&bv)[1]) {
-                bv[0] = to_float(b_lane[k * p.b_stride_k + offset]);
+                bv[0] = to_float(b_lane[k * b_stride_k + offset]);
               });
             }
           }
@@ -654,16 +662,13 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                       const float* row_weight) {
   static_assert(TN <= kRegisterTileVectors || TM == 1, "wide N-split tiles have one row");
   if constexpr (TN > kRegisterTileVectors) {
-    n_lanes_row_stream<TN>(NLanesArgs<TA, T, TOut>{
+    n_lanes_row_stream<TN>(VectorArgs<TA, T, TOut>{
         a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_k, bias,
         bias_stride_e, out, out_row_stride, out_rows, group_offsets, offsets_is64, num_groups, K, N,
-        scatter_index, scatter_is64, row_weight});
+        kNone, 0, scatter_index, scatter_is64, row_weight});
   } else {
     constexpr int kTileElems = TM * TN * kLanes;  // one row tile's partial sums, lane-major
-    float* partial = nullptr;
-    if constexpr (KChunk > 0)
-      partial = *sycl::ext::oneapi::group_local_memory_for_overwrite<float[kNLanesPartialTiles * kTileElems]>(
-          sycl::ext::oneapi::this_work_item::get_work_group<1>());
+    float* partial = partial_sums_area<kNLanesPartialTiles, TM, TN, KChunk>();
     const Worker w = this_worker();
     const int64_t tile_n = int64_t(kLanes) * TN;
     const int64_t tiles_n = (N + tile_n - 1) / tile_n;
@@ -671,8 +676,7 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
     const int64_t chunk = KChunk > 0 ? KChunk : (K > 0 ? K : 1);
     // Word reads of bf16 pairs: B rows 4-byte aligned (tile starts are even columns).
     constexpr bool kPairType = std::is_same_v<T, uint16_t> && TN % 2 == 0;
-    const bool pairs = kPairType && (reinterpret_cast<uintptr_t>(b) & 3) == 0 &&
-                       (b_stride_e | b_stride_k) % 2 == 0;
+    const bool pairs = kPairType && bf16_words_readable(b, b_stride_e, b_stride_k);
     const UnitCost tile_cost = unit_cost<T, TM, TN>();
     for_each_owned_unit(
         w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, unit.row_tiles,
@@ -715,9 +719,7 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                       float bv[TN];
                       #pragma unroll
                       for (int v = 0; v < TN / 2; ++v) {
-                        const uint32_t word = b_k[kLanes * v];
-                        bv[2 * v] = sycl::bit_cast<float>(word << 16);
-                        bv[2 * v + 1] = sycl::bit_cast<float>(word & 0xffff0000u);
+                        widen_bf16_word(b_k[kLanes * v], bv[2 * v], bv[2 * v + 1]);
                       }
                       fma_step(acc, a_row, k, bv);
                     }
