@@ -149,11 +149,11 @@ bool matrix_engine_available(const sycl::queue& q) {
 // partial sums in work-group local memory. N-split (moe_gemm_n_lanes): chunks of 16 B rows, read
 // across a block of column tiles (see n_lanes_unit_shape; chunks of 8 and 32 measured 2-10%
 // slower on the [E, K, N] bench cases). K-split (moe_gemm_k_lanes): chunks
-// of 256 let a unit's weight rows stream from memory while its row tiles compute, instead of
-// the first row tile streaming them and the others computing with the memory idle (bench prefill
-// float32 113 -> 98 ms, 64tok 55 -> 52 ms with chunks of 128; 256 measured the same on those and
-// 7% faster on the fused MoE's second GEMM, K = 768, with the cache cold: 69 -> 64 ms; units of
-// many row tiles take 2x longer chunks, see moe_gemm_k_lanes).
+// of 256 (128 for units of two row tiles, 512 for six or more) whose row tiles prefetch the
+// next chunk while they compute this one, so a unit's weight rows stream from memory while it
+// computes (without chunks: bench prefill float32 113 -> 98 ms, 64tok 55 -> 52 ms; with the
+// prefetch, cold cache, same process: prefill 98 -> 91 ms, fused MoE prefill first / second
+// GEMM 96 / 59 -> 84 / 48 ms).
 // Elsewhere (and for the decode tile, where a B slice serves one row tile) no chunking, which
 // also keeps work-group local memory free on GPUs.
 int k_chunk(Family f, bool cpu, TileShape s) {
@@ -232,6 +232,9 @@ std::string bundle_key(const sycl::queue& q, DType t, DType out) {
   key << std::hash<sycl::context>{}(q.get_context()) << '/'
       << std::hash<sycl::device>{}(q.get_device()) << '/' << static_cast<int>(t) << '/'
       << static_cast<int>(out);
+  // Kernel development: each MOE_XPU_KERNEL_SOURCE file gets its own bundles, so one process
+  // can time several variants side by side by switching the variable between calls.
+  if (const char* path = std::getenv("MOE_XPU_KERNEL_SOURCE")) key << '/' << path;
   return key.str();
 }
 
