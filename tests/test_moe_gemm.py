@@ -372,15 +372,16 @@ def test_worker_count_follows_compute_units_and_work(C):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_split_kernel_k_chunks(K, dtype, C):
     """The K-split kernel's tall tile walks K in chunks on the CPU (partial sums parked between
-    chunks): K below, at and past a chunk, with a remainder; groups whose units take long chunks
-    (>= 6 row tiles) and short ones (2-5), a one-tile group and the zeroed tail; plain, gated and
-    float-A variants."""
+    chunks, prefetching the next one): K below, at and past a chunk, with a remainder; groups
+    whose units take long chunks (>= 6 row tiles), standard ones (3-5) and short ones (2 row
+    tiles: chunks of 128), a one-tile group and the zeroed tail; plain, gated and float-A
+    variants."""
     from moe_xpu.fused import ACTIVATIONS
 
-    T, E, N = 90, 5, 22
+    T, E, N = 90, 6, 22
     a = torch.randn(T, K, dtype=dtype)
     b = make_b(E, K, N, dtype, "linear")
-    offs = offsets([40, 5, 0, 20, 17])  # 8 tail rows
+    offs = offsets([40, 5, 0, 20, 9, 8])  # 8 tail rows
     tall = C.tile_shapes(True)[-1]
     a_, b_, offs_, _, _ = ops.kernel_ready(a, b, offs, None, None)
     out = torch.full((T, N), float("nan"), dtype=dtype)
