@@ -152,8 +152,8 @@ bool matrix_engine_available(const sycl::queue& q) {
 // of 256 (128 for units of two row tiles, 512 for six or more) whose row tiles prefetch the
 // next chunk while they compute this one, so a unit's weight rows stream from memory while it
 // computes (without chunks: bench prefill float32 113 -> 98 ms, 64tok 55 -> 52 ms; with the
-// prefetch, cold cache, same process: prefill 98 -> 91 ms, fused MoE prefill first / second
-// GEMM 96 / 59 -> 84 / 48 ms).
+// prefetch, cold cache, same process, best of 7: prefill 98 -> 91 ms, fused MoE prefill first /
+// second GEMM 96 / 59 -> 84 / 48 ms).
 // Elsewhere (and for the decode tile, where a B slice serves one row tile) no chunking, which
 // also keeps work-group local memory free on GPUs.
 int k_chunk(Family f, bool cpu, TileShape s) {

@@ -511,8 +511,8 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
         // follows the unit's height: two row tiles compute a chunk briefly, so short chunks
         // keep the prefetch bursts small; kLongChunkTiles or more compute long enough that
         // parking their partial sums between chunks costs more than shorter chunks gain (bench
-        // cases, float32, cold cache, same process: chunks of 256 for every height ->
-        // 128 / 256 / 512: 64tok-E64 51.9 -> 49.9 ms, fused 64tok second GEMM 28.7 -> 25.3 ms;
+        // cases, float32, cold cache, same process, medians of 7: chunks of 256 for every height
+        // -> 128 / 256 / 512: 64tok-E64 53.9 -> 49.9 ms, fused 64tok second GEMM 28.7 -> 25.3 ms;
         // prefill (3 row tiles a unit) unchanged). One-row-tile units read their B slice
         // once, from memory: no chunks (chunked and prefetched, they measured the same).
         const int64_t tiles = m_last - m_first;
