@@ -4,6 +4,7 @@ Build without isolation so CMake sees the SYCL runtime and pybind11 already inst
 environment: pip install --no-build-isolation -e .
 """
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -25,7 +26,10 @@ class CMakeBuild(build_ext):
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
-        build_dir = Path(self.build_temp).resolve() / ext.name
+        # One CMake build folder per environment: CMake caches the SYCL runtime it found, and a
+        # build for another environment (another runtime generation) must not reuse it.
+        env_tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        build_dir = Path(self.build_temp).resolve() / f"{ext.name}-{env_tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
         configure = [

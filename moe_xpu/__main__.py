@@ -34,7 +34,12 @@ def info(warm_up: bool = False) -> None:
     print(f"XPU tensors      {'available: ' + torch.xpu.get_device_name() if xpu else 'no XPU device'}")
     if C is None:
         print(f"SYCL launcher    not loaded ({_runtime.import_error()})")
+    else:
+        print(f"SYCL runtime     {_runtime.loaded_sycl_library() or 'not found'}")
     print(f"CPU backend      {_runtime.cpu_backend()}")
+    if C is not None and not C.cpu_device_available():
+        print("SYCL CPU device  none: this SYCL runtime found no CPU device (oneAPI 2026.x wheels "
+              "ship no OpenCL adapter); CPU tensors run on the PyTorch fallback")
     if C is not None and C.cpu_device_available():
         d = C.device_info(0)
         print("SYCL CPU device")

@@ -9,6 +9,7 @@ matrix-engine kernels compile to AMX instructions).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -41,7 +42,23 @@ def _opencl_cpu_runtime_loaded() -> bool:
         return False
 
 
+def _load_jit_compiler_by_canonical_path() -> None:
+    """The SYCL runtime compiler (libsycl-jit.so) finds its own headers from the path it was
+    loaded under, which must end in ``/lib/libsycl-jit.so``. libsycl loads it lazily from its own
+    directory, as spelled by whoever loaded libsycl: dpctl's modules reach it through the RPATH
+    ``$ORIGIN/../../..``, so after ``import dpctl`` the path ends in ``/../libsycl-jit.so`` and
+    every kernel build fails with "Could not locate DPCPP root directory". Loading it first under
+    its real path makes the loader hand that same copy, under that name, to libsycl later."""
+    jit = Path(sys.prefix) / "lib" / "libsycl-jit.so"
+    if jit.exists():
+        try:
+            ctypes.CDLL(os.path.realpath(jit), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+        except OSError:
+            pass  # no usable runtime: the import of _C below reports it
+
+
 def _prepare_environment() -> None:
+    _load_jit_compiler_by_canonical_path()
     ocl_cpu = Path(sys.prefix) / "lib" / "libintelocl.so"
     if ocl_cpu.exists():
         os.environ.setdefault("OCL_ICD_FILENAMES", str(ocl_cpu))
@@ -109,6 +126,20 @@ def queue_address(device: torch.device) -> int:
             raise RuntimeError("moe_xpu needs torch.xpu streams that expose sycl_queue as an address")
         return queue
     return 0
+
+
+def loaded_sycl_library() -> str | None:
+    """Path of the libsycl the launcher runs on (its soname says the runtime generation:
+    libsycl.so.8 is oneAPI 2025.x, libsycl.so.9 is 2026.x), or None when none is loaded."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libsycl.so"):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def cache_dir() -> str:

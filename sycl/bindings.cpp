@@ -72,6 +72,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("is_cpu", &moe_xpu::DeviceInfo::is_cpu)
       .def_readonly("matrix_engine", &moe_xpu::DeviceInfo::matrix_engine);
 
+  py::class_<moe_xpu::KernelReport>(m, "KernelReport")
+      .def_readonly("name", &moe_xpu::KernelReport::name)
+      .def_readonly("required_sub_group_size", &moe_xpu::KernelReport::required_sub_group_size)
+      .def_readonly("compiled_sub_group_size", &moe_xpu::KernelReport::compiled_sub_group_size)
+      .def_readonly("max_work_group_size", &moe_xpu::KernelReport::max_work_group_size)
+      .def_readonly("local_memory_bytes", &moe_xpu::KernelReport::local_memory_bytes);
+
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
@@ -81,5 +88,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_device_available", &moe_xpu::cpu_device_available);
   m.def("warm_up", &moe_xpu::warm_up, py::arg("queue"), py::arg("dtype"), py::arg("out_dtype"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("kernel_report", &moe_xpu::kernel_report, py::arg("queue"), py::arg("dtype"),
+        py::arg("out_dtype"), py::call_guard<py::gil_scoped_release>());
   m.def("kernel_source", &moe_xpu::kernel_source);
 }

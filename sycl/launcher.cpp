@@ -161,6 +161,71 @@ int k_chunk(Family f, bool cpu, TileShape s) {
   return f == Family::n_lanes ? 16 : 256;
 }
 
+// ---------------------------------------------------------------------------------------------
+// What the kernels assume of the device they run on, and where each assumption is checked. Nothing
+// here is left to the compiler's or the driver's defaults: a device or a build that does not meet
+// one is refused with a RuntimeError before any kernel runs, never run to a wrong result.
+//  - sub-groups of exactly kSubGroupSize lanes (the 16-lane reductions and lane-owned columns):
+//    the device must list that size, and every built kernel must report it as its required and
+//    its largest compiled size (the runtime compiler treated the sub_group_size property as a
+//    hint: SIMD8 on AVX2, SIMD4 on SSE/AVX targets, SIMD32 on Xe-HPC);
+//  - the work-group the plan launches (one or four sub-groups) fits the kernel's limit;
+//  - the work-group local memory a variant declares (local_memory_bytes) fits the device's;
+//  - the matrix-engine kernels only where matrix_engine_available says the engine exists.
+// ---------------------------------------------------------------------------------------------
+constexpr std::uint32_t kSubGroupSize = 16;              // kLanes in moe_gemm.cpp
+constexpr std::int64_t kNLanesPartialTiles = 192;        // must match moe_gemm.cpp
+constexpr int kRegisterTileVectors = 32;                 // must match moe_gemm.cpp
+
+// Bytes of work-group local memory a vector kernel variant declares (group_local_memory in
+// moe_gemm.cpp: partial_sums_area for K chunks, n_lanes_row_stream's row sums); the matrix
+// kernels use a global scratch area instead.
+std::int64_t local_memory_bytes(Family f, TileShape s, bool cpu) {
+  const std::int64_t floats_per_tile = std::int64_t(s.tile_m) * s.tile_n * kSubGroupSize;
+  switch (f) {
+    case Family::k_lanes:
+    case Family::k_lanes_gated:
+      return k_chunk(f, cpu, s) > 0 ? (kUnitRows / s.tile_m) * floats_per_tile * 4 : 0;
+    case Family::n_lanes:
+      if (s.tile_n > kRegisterTileVectors) return std::int64_t(s.tile_n) * kSubGroupSize * 4;
+      return k_chunk(f, cpu, s) > 0 ? kNLanesPartialTiles * floats_per_tile * 4 : 0;
+    case Family::matrix:
+    case Family::matrix_gated:
+    case Family::matrix_kn: return 0;
+  }
+  throw std::invalid_argument("moe_xpu: unknown kernel family");
+}
+
+[[noreturn]] void refuse_device(const sycl::device& dev, const std::string& what) {
+  throw std::runtime_error("moe_xpu: the SYCL device '" + dev.get_info<sycl::info::device::name>() +
+                           "' cannot run moe_xpu's kernels as written: " + what +
+                           ". Set MOE_XPU_BACKEND=torch to run CPU tensors on the plain-PyTorch path.");
+}
+
+// Before building: the device offers what every kernel variant of the families needs.
+void check_device(const sycl::device& dev, const std::vector<std::pair<Family, TileShape>>& variants,
+                  bool cpu) {
+  const auto sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
+  if (std::find(sizes.begin(), sizes.end(), std::size_t{kSubGroupSize}) == sizes.end())
+    refuse_device(dev, "sub-group size " + std::to_string(kSubGroupSize) + " is not among its sub-group sizes");
+  const std::int64_t local = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
+  for (const auto& [f, s] : variants) {
+    const std::int64_t need = local_memory_bytes(f, s, cpu);
+    if (need > local)
+      refuse_device(dev, "a kernel variant needs " + std::to_string(need) + " bytes of work-group local memory, the device has " +
+                             std::to_string(local));
+  }
+}
+
+// After building: each kernel was compiled for exactly the sub-group size it is written for.
+void check_built_kernel(const sycl::device& dev, const KernelReport& k) {
+  const std::uint32_t required = k.required_sub_group_size, compiled = k.compiled_sub_group_size;
+  if (required != kSubGroupSize || compiled != kSubGroupSize)
+    refuse_device(dev, "kernel " + k.name + " was compiled with sub-group size " + std::to_string(compiled) +
+                           " (required: " + (required == 0 ? std::string("none") : std::to_string(required)) +
+                           "), it needs exactly " + std::to_string(kSubGroupSize));
+}
+
 // The template arguments of one kernel variant, as written in its name and its instantiation.
 std::string template_args(Family f, DType a, DType t, DType out, TileShape s, bool cpu) {
   std::ostringstream args;
@@ -218,8 +283,14 @@ bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn;
 }
 
+// One built kernel and what the build reported for it (see check_built_kernel).
+struct BuiltKernel {
+  sycl::kernel kernel;
+  KernelReport report;
+};
+
 struct Bundle {
-  std::unordered_map<std::string, sycl::kernel> kernels;
+  std::unordered_map<std::string, BuiltKernel> kernels;
 };
 
 std::unordered_map<std::string, Bundle*>& bundles() {
@@ -253,9 +324,6 @@ std::string kernel_source_text() {
 Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   std::lock_guard<std::mutex> lock(state_mutex());
   const std::string key = bundle_key(q, t, out);
-  const auto sizes = q.get_device().get_info<sycl::info::device::sub_group_sizes>();
-  if (std::find(sizes.begin(), sizes.end(), std::size_t{16}) == sizes.end())
-    throw std::runtime_error("moe_xpu: the kernels need sub-group size 16, which this device lacks");
   auto found = bundles().find(key);
   if (found != bundles().end()) return *found->second;
 
@@ -267,18 +335,24 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
   std::string source = std::string("// moe_xpu: CPU target ") + (arch != nullptr ? arch : "default") +
                        "\n" + kernel_source_text();
   std::vector<std::string> names;
+  std::vector<std::int64_t> local_bytes;
   std::ostringstream inst;
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
   if (matrix) families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_kn});
+  std::vector<std::pair<Family, TileShape>> variants;
   for (Family f : families)
-    for (TileShape s : family_tiles(f, cpu)) {
-      std::vector<DType> a_types{t};
-      if (has_float_a_variant(f, t)) a_types.push_back(DType::float32);
-      for (DType a : a_types) {
-        names.push_back(kernel_name(f, a, t, out, s, cpu));
-        inst << kernel_instantiation(f, a, t, out, s, cpu);
-      }
+    for (TileShape s : family_tiles(f, cpu)) variants.emplace_back(f, s);
+  const sycl::device dev = q.get_device();
+  check_device(dev, variants, cpu);
+  for (const auto& [f, s] : variants) {
+    std::vector<DType> a_types{t};
+    if (has_float_a_variant(f, t)) a_types.push_back(DType::float32);
+    for (DType a : a_types) {
+      names.push_back(kernel_name(f, a, t, out, s, cpu));
+      local_bytes.push_back(local_memory_bytes(f, s, cpu));
+      inst << kernel_instantiation(f, a, t, out, s, cpu);
     }
+  }
   source += inst.str();
 
   std::string log;
@@ -291,11 +365,24 @@ Bundle& get_bundle(sycl::queue& q, DType t, DType out) {
         syclex::properties{
             syclex::build_options{std::vector<std::string>{"-fno-sycl-device-lib=all"}},
             syclex::save_log{&log}, syclex::registered_names{names}});
-    for (const std::string& n : names) bundle->kernels.emplace(n, exe.ext_oneapi_get_kernel(n));
+    namespace kds = sycl::info::kernel_device_specific;
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      sycl::kernel k = exe.ext_oneapi_get_kernel(names[i]);
+      KernelReport r{names[i], k.get_info<kds::compile_sub_group_size>(dev),
+                     k.get_info<kds::max_sub_group_size>(dev),
+                     std::int64_t(k.get_info<kds::work_group_size>(dev)), local_bytes[i]};
+      bundle->kernels.emplace(names[i], BuiltKernel{k, r});
+    }
   } catch (const sycl::exception& e) {
     delete bundle;
     throw std::runtime_error(std::string("moe_xpu: building the SYCL kernels failed: ") +
                              e.what() + "\ncompiler log:\n" + log);
+  }
+  try {
+    for (const auto& [n, built] : bundle->kernels) check_built_kernel(dev, built.report);
+  } catch (...) {
+    delete bundle;
+    throw;
   }
   bundles().emplace(key, bundle);
   return *bundle;
@@ -308,6 +395,16 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated, std::uint
   for (TileShape s : family_tiles(family_of(k_lanes, gated), is_cpu(queue_for(queue))))
     shapes.emplace_back(s.tile_m, s.tile_n);
   return shapes;
+}
+
+// MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
+// so every share boundary falls somewhere new); unset or 0: chosen per launch.
+std::int64_t workers_from_environment() {
+  static const std::int64_t forced = [] {
+    const char* v = std::getenv("MOE_XPU_NUM_WORKERS");
+    return v != nullptr ? std::max<std::int64_t>(0, std::atoll(v)) : std::int64_t{0};
+  }();
+  return forced;
 }
 
 LaunchPlan plan_gemm(const GemmArgs& args) {
@@ -361,7 +458,7 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
 
   const sycl::device dev = q.get_device();
   const std::int64_t compute_units = dev.get_info<sycl::info::device::max_compute_units>();
-  const std::int64_t lanes = 16;
+  const std::int64_t lanes = kSubGroupSize;
   LaunchPlan plan;
   const bool float_a_compiled = has_float_a_variant(family, args.dtype);
   if (args.a_dtype != args.dtype && (args.a_dtype != DType::float32 || !float_a_compiled))
@@ -392,6 +489,7 @@ LaunchPlan plan_gemm(const GemmArgs& args) {
     workers = std::min(workers, std::max(compute_units, by_work));
   }
   if (args.num_workers > 0) workers = args.num_workers;
+  else if (const std::int64_t forced = workers_from_environment(); forced > 0) workers = forced;
   // Never more workers than there can be work units (see for_each_owned_unit in the kernel: a
   // unit covers up to kUnitRows rows of one group; every group may add one partial unit).
   const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
@@ -436,7 +534,11 @@ void moe_gemm(const GemmArgs& args) {
   sycl::queue& q = queue_for(args.queue);
   const LaunchPlan plan = plan_gemm(args);
   Bundle& bundle = get_bundle(q, args.dtype, args.out_dtype);
-  const sycl::kernel& kernel = bundle.kernels.at(plan.kernel_name);
+  const BuiltKernel& built = bundle.kernels.at(plan.kernel_name);
+  if (plan.work_group_size > built.report.max_work_group_size)
+    refuse_device(q.get_device(), "kernel " + plan.kernel_name + " allows work-groups of at most " +
+                                      std::to_string(built.report.max_work_group_size) + " work-items, the launch needs " +
+                                      std::to_string(plan.work_group_size));
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine
@@ -458,7 +560,7 @@ void moe_gemm(const GemmArgs& args) {
                ptr(args.scatter_index), int(args.scatter_is_int64),
                ptr(args.row_weight));
     if (plan.matrix_engine) h.set_arg(23, scratch);
-    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
+    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
   if (scratch_lock.owns_lock()) scratch_lock.unlock();
   if (args.queue == 0) done.wait_and_throw();
@@ -487,6 +589,15 @@ double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype) {
   const auto start = std::chrono::steady_clock::now();
   get_bundle(queue_for(queue), dtype, out_dtype);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::vector<KernelReport> kernel_report(std::uintptr_t queue, DType dtype, DType out_dtype) {
+  std::vector<KernelReport> reports;
+  for (const auto& [name, built] : get_bundle(queue_for(queue), dtype, out_dtype).kernels)
+    reports.push_back(built.report);
+  std::sort(reports.begin(), reports.end(),
+            [](const KernelReport& x, const KernelReport& y) { return x.name < y.name; });
+  return reports;
 }
 
 const char* kernel_source() { return kMoeGemmSource; }

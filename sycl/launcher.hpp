@@ -76,6 +76,16 @@ struct LaunchPlan {
   bool matrix_engine = false;
 };
 
+// What the build of one kernel variant reported (the launcher refuses a device on which any of
+// these differs from what the kernel needs: see check_built_kernel in launcher.cpp).
+struct KernelReport {
+  std::string name;
+  std::uint32_t required_sub_group_size = 0;  // from the kernel's attribute; 0 = none
+  std::uint32_t compiled_sub_group_size = 0;  // the largest sub-group the built kernel runs with
+  std::int64_t max_work_group_size = 0;
+  std::int64_t local_memory_bytes = 0;        // work-group local memory the variant declares
+};
+
 LaunchPlan plan_gemm(const GemmArgs& args);
 // The (tile_m, tile_n) shapes compiled for one kernel family (k_lanes: K-contiguous B; gated:
 // with the gated-activation epilogue, K-contiguous B only) on the device of a queue (0: the SYCL CPU
@@ -89,6 +99,8 @@ bool cpu_device_available();
 // Builds (or loads from the persistent cache) every kernel of one dtype pair (B dtype, output
 // dtype; with both A dtypes); returns seconds.
 double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype);
+// Builds (or takes from the cache) the bundle of one dtype pair and reports its kernels.
+std::vector<KernelReport> kernel_report(std::uintptr_t queue, DType dtype, DType out_dtype);
 const char* kernel_source();
 
 }  // namespace moe_xpu

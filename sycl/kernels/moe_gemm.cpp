@@ -152,6 +152,12 @@ inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void*
 
 // Sub-group size the kernels are written for (the Xe native size; AVX-512 width on the CPU).
 constexpr int kLanes = 16;
+// Every kernel is declared with this: an nd-range free-function kernel that *requires* sub-groups
+// of kLanes. The sub_group_size<16> kernel property is only a hint to the runtime compiler (it
+// compiled SIMD8 on AVX2 CPUs and SIMD32 on Xe-HPC, and the 16-lane reductions then returned wrong
+// sums); the attribute is honoured, and the launcher checks each built kernel's size anyway.
+#define MOE_XPU_KERNEL \
+  [[sycl::reqd_sub_group_size(kLanes)]] SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 // Rows a work unit covers at most: enough to read B once in prefill, few enough that one
 // expert taking every row still spreads over many units.
 constexpr int64_t kUnitRows = 64;
@@ -483,8 +489,7 @@ inline void k_lanes_tile(const VectorArgs<TA, T, TOut>& p, const Worker& w, int6
 // of several row tiles walk K in chunks of KChunk, the row tiles' partial sums parked in
 // work-group local memory (one sub-group per work-group) between chunks.
 template <typename TA, typename T, typename TOut, int TM, int TN, bool Gated, int KChunk>
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+MOE_XPU_KERNEL
 void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                       int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_n,
                       const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
@@ -694,8 +699,7 @@ inline NLanesUnitShape n_lanes_unit_shape(int64_t out_rows, int64_t num_groups, 
 // widened with one integer op (lane l then owns columns n0 + 32 * v + 2 * l + {0, 1}). TA is
 // A's type (the launcher compiles TA = T only; see has_float_a_variant).
 template <typename TA, typename T, typename TOut, int TM, int TN, int KChunk>
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+MOE_XPU_KERNEL
 void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                       int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_k,
                       const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
@@ -955,8 +959,7 @@ inline void matrix_zero_rows(TOut* out, int64_t out_row_stride, int64_t out_rows
 }
 
 template <typename TA, typename TOut, bool Gated>
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+MOE_XPU_KERNEL
 void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                      int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_n,
                      const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
@@ -1040,8 +1043,7 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
 // read the unit makes anyway), then every token tile x column-tile pair runs the chunk, its
 // partial sums kept in the scratch area between chunks.
 template <typename TA, typename TOut>
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+MOE_XPU_KERNEL
 void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                         int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_k,
                         const uint16_t* bias, int64_t bias_stride_e, TOut* out,

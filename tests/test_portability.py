@@ -1,0 +1,130 @@
+"""What the kernels require of a device is requested, checked after every build, and refused
+loudly when missing; launches go to queues moe_xpu did not create; dpctl may be imported first."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import moe_xpu
+from moe_xpu import ops
+from reference import assert_matches_reference
+
+DTYPE_PAIRS = [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"),
+               ("float16", "float16")]
+
+
+@pytest.mark.parametrize("dtype,out_dtype", DTYPE_PAIRS)
+def test_every_built_kernel_runs_with_the_sub_group_size_it_requires(C, dtype, out_dtype):
+    """Each kernel of the bundle was compiled requiring sub-groups of 16 and got exactly 16, and
+    the local memory each declares fits the device."""
+    reports = C.kernel_report(0, getattr(C.DType, dtype), getattr(C.DType, out_dtype))
+    assert len(reports) >= 6  # K-split plain and gated, N-split: decode and tall tiles each
+    device = C.device_info(0)
+    for r in reports:
+        assert r.required_sub_group_size == 16, r.name
+        assert r.compiled_sub_group_size == 16, r.name
+        assert r.max_work_group_size >= 16, r.name
+        assert 0 <= r.local_memory_bytes <= device.local_mem_size, r.name
+
+
+def _source_without_requirement(C, kernel: str) -> str:
+    """The kernel source with the sub-group requirement of one kernel replaced by the bare
+    sub_group_size property (a hint the runtime compiler does not honour)."""
+    source = C.kernel_source()
+    marker = f"MOE_XPU_KERNEL\nvoid {kernel}("
+    assert source.count(marker) == 1, f"{kernel} is no longer declared with MOE_XPU_KERNEL"
+    hint = ("SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))\n"
+            "SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))\n")
+    return source.replace(marker, f"{hint}void {kernel}(")
+
+
+@pytest.mark.parametrize("kernel,layout", [("moe_gemm_k_lanes", "linear"), ("moe_gemm_n_lanes", "kn")])
+def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_path, monkeypatch):
+    """Removing the requirement from one kernel makes every launch fail with a RuntimeError
+    naming the device, the property and the fallback, on every CPU target (on AVX-512 targets
+    the compiler happens to pick 16 anyway: the check does not rely on that)."""
+    path = tmp_path / "moe_gemm_unpinned.cpp"
+    path.write_text(_source_without_requirement(C, kernel))
+    monkeypatch.setenv("MOE_XPU_KERNEL_SOURCE", str(path))
+    a = torch.randn(8, 32)
+    b = torch.randn(2, 32, 48) if layout == "kn" else torch.randn(2, 48, 32).transpose(1, 2)
+    device = C.device_info(0).name
+    with pytest.raises(RuntimeError, match="sub-group size") as info:
+        moe_xpu.moe_gemm(a, b, torch.tensor([3, 8], dtype=torch.int32))
+    message = str(info.value)
+    assert device in message and kernel in message and "MOE_XPU_BACKEND=torch" in message
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MOE_XPU_KERNEL_SOURCE"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+CHECK_GEMM = """
+    a = torch.randn(10, 64); b = torch.randn(3, 64, 40)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    want = torch.cat([a[:4] @ b[0], a[4:] @ b[2]])
+    got = moe_xpu.moe_gemm(a, b, offs)
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("prelude", [
+    "import dpctl\nimport torch\nimport moe_xpu\n",
+    "import dpctl\nimport torch\nq = dpctl.SyclQueue('cpu')\nimport moe_xpu\n",
+    "import torch\nimport moe_xpu\nimport dpctl\nq = dpctl.SyclQueue('cpu')\n",
+], ids=["dpctl-first", "dpctl-queue-first", "moe_xpu-first"])
+def test_dpctl_in_the_same_process(C, prelude):
+    """dpctl loads the SYCL runtime through another path; the runtime compiler still finds its
+    headers and moe_xpu's kernels build and run, in either import order."""
+    proc = _run_python(prelude + textwrap.dedent(CHECK_GEMM))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_launch_on_a_queue_moe_xpu_did_not_create(C):
+    """The XPU path hands the launcher the address of torch's current queue; here a dpctl queue
+    on the CPU device stands in for it (same integer form). The queue is first blocked by a
+    kernel that spins on a flag: moe_xpu's launch must return at once without running (its work
+    is queued behind the spinner, on that queue), and produce the right result once released."""
+    dpctl = pytest.importorskip("dpctl")
+    import dpctl.memory as dpmem
+    import dpctl.program as dpprog
+
+    queue = dpctl.SyclQueue("cpu", property="in_order")
+    assert C.device_info(queue.addressof_ref()).name == C.device_info(0).name
+    spinner = dpprog.create_program_from_source(
+        queue, "kernel void wait_for_flag(volatile global int* flag) { while (flag[0] == 0) {} }"
+    ).get_sycl_kernel("wait_for_flag")
+    flag = dpmem.MemoryUSMShared(4, queue=queue)
+    flag_view = memoryview(flag).cast("i")
+
+    T, E, K, N = 37, 5, 96, 72
+    a = torch.randn(T, K)
+    b = torch.randn(E, N, K).transpose(1, 2)
+    group_offsets = torch.tensor([0, 9, 9, 30, 37], dtype=torch.int32)
+    gather_index = torch.randint(0, T, (37,), dtype=torch.int64)
+    out = torch.full((37, N), float("nan"))
+    args = ops.gemm_args(a, b, group_offsets, gather_index, None, out)
+    args.queue = queue.addressof_ref()
+    C.warm_up(args.queue, args.dtype, args.out_dtype)  # build outside the timed window
+
+    flag_view[0] = 0
+    spinning = queue.submit_async(spinner, [flag], [1])
+    try:
+        C.moe_gemm(args)
+        time.sleep(0.2)
+        assert torch.isnan(out).all(), "the kernel ran although its queue was blocked"
+        assert spinning.execution_status != dpctl.event_status_type.complete
+    finally:
+        flag_view[0] = 1
+        queue.wait()
+    assert_matches_reference(out, a, b, group_offsets, gather_index)
