@@ -14,7 +14,7 @@ VENV26 := .venv-sycl2026
 PY26 := $(VENV26)/bin/python
 SYCL2026 := intel-sycl-rt==2026.0.0 intel-cmplr-lib-ur==2026.0.0 intel-cmplr-lib-rt==2026.0.0
 
-.PHONY: setup demo demo-gemm test test-matrix check-runtime-2026 bench info clean
+.PHONY: setup demo demo-gemm test test-matrix check-runtime-2026 gpu-check bench info clean
 
 setup: $(STAMP)
 
@@ -36,11 +36,15 @@ demo-gemm: setup
 	$(PY) examples/moe_gemm_demo.py
 
 # The full suite on the host's default CPU target, the correctness tests again under every other
-# CPU target the host can execute (tests/device_matrix.py), and the build against the other
-# SYCL runtime generation.
+# CPU target the host can execute (tests/device_matrix.py), every kernel variant compiled for the
+# Intel GPU generations (gpu-check), and the build against the other SYCL runtime generation.
 test: setup
 	$(PY) -m pytest
-	$(MAKE) --no-print-directory test-matrix check-runtime-2026
+	$(MAKE) --no-print-directory test-matrix gpu-check check-runtime-2026
+
+# Intel's GPU compiler is unpacked under .cache/ (from Debian's archive, nothing installed system-wide).
+gpu-check: setup
+	$(PY) -m moe_xpu.gpu_check --compiler-dir .cache/intel-gpu-compiler
 
 test-matrix: setup
 	$(PY) tests/device_matrix.py

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "device_model.hpp"
 #include "launcher.hpp"
 
 namespace py = pybind11;
@@ -50,7 +51,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tile_m", &GemmArgs::tile_m)
       .def_readwrite("tile_n", &GemmArgs::tile_n)
       .def_readwrite("num_workers", &GemmArgs::num_workers)
-      .def_readwrite("engine", &GemmArgs::engine);
+      .def_readwrite("engine", &GemmArgs::engine)
+      .def_readwrite("variants_for", &GemmArgs::variants_for);
 
   py::class_<moe_xpu::LaunchPlan>(m, "LaunchPlan")
       .def_readonly("kernel_name", &moe_xpu::LaunchPlan::kernel_name)
@@ -83,12 +85,33 @@ PYBIND11_MODULE(_C, m) {
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
   m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false,
-        py::arg("queue") = 0);
+        py::arg("queue") = 0, py::arg("variants_for") = "");
   m.def("device_info", &moe_xpu::device_info, py::arg("queue") = 0);
   m.def("cpu_device_available", &moe_xpu::cpu_device_available);
   m.def("warm_up", &moe_xpu::warm_up, py::arg("queue"), py::arg("dtype"), py::arg("out_dtype"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("variants_for") = "", py::call_guard<py::gil_scoped_release>());
   m.def("kernel_report", &moe_xpu::kernel_report, py::arg("queue"), py::arg("dtype"),
-        py::arg("out_dtype"), py::call_guard<py::gil_scoped_release>());
+        py::arg("out_dtype"), py::arg("variants_for") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("spirv_modules", [](const std::string& variants_for, DType dtype, DType out_dtype) {
+        std::vector<std::string> modules;
+        {
+          py::gil_scoped_release release;
+          modules = moe_xpu::spirv_modules(variants_for, dtype, out_dtype);
+        }
+        py::list out;
+        for (const std::string& m : modules) out.append(py::bytes(m));
+        return out;
+      }, py::arg("variants_for"), py::arg("dtype"), py::arg("out_dtype"));
+  m.def("bundle_kernel_names", &moe_xpu::bundle_kernel_names, py::arg("queue"), py::arg("variants_for"),
+        py::arg("dtype"), py::arg("out_dtype"));
+  m.def("gpu_targets", &moe_xpu::gpu_targets);
+  m.def("gpu_description", [](const std::string& target) {
+        const moe_xpu::DeviceDescription d = moe_xpu::gpu_description(target);
+        py::list shapes;
+        for (const auto& s : d.matrix_shapes) shapes.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size));
+        return py::dict(py::arg("name") = d.name, py::arg("sub_group_sizes") = d.sub_group_sizes,
+                        py::arg("local_mem_size") = d.local_mem_size,
+                        py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes);
+      }, py::arg("target"));
   m.def("kernel_source", &moe_xpu::kernel_source);
 }

@@ -48,6 +48,9 @@ struct GemmArgs {
   // 0: chosen by the heuristic; 1: the vector kernels; 2: the matrix-engine kernels (an error where
   // they cannot run).
   int engine = 0;
+  // Empty: variants and tiles are chosen for the queue's device. A GPU target name (pvc, bmg, lnl,
+  // ptl, dg2, mtl): chosen as for that GPU, and run on the queue's device (tests of GPU variants).
+  std::string variants_for;
 };
 
 struct DeviceInfo {
@@ -90,7 +93,8 @@ LaunchPlan plan_gemm(const GemmArgs& args);
 // The (tile_m, tile_n) shapes compiled for one kernel family (k_lanes: K-contiguous B; gated:
 // with the gated-activation epilogue, K-contiguous B only) on the device of a queue (0: the SYCL CPU
 // device). The first is the decode shape.
-std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, std::uintptr_t queue = 0);
+std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, std::uintptr_t queue = 0,
+                                             const std::string& variants_for = "");
 // Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);
@@ -98,9 +102,17 @@ DeviceInfo device_info(std::uintptr_t queue);
 bool cpu_device_available();
 // Builds (or loads from the persistent cache) every kernel of one dtype pair (B dtype, output
 // dtype; with both A dtypes); returns seconds.
-double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype);
+double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype, const std::string& variants_for = "");
 // Builds (or takes from the cache) the bundle of one dtype pair and reports its kernels.
-std::vector<KernelReport> kernel_report(std::uintptr_t queue, DType dtype, DType out_dtype);
+std::vector<KernelReport> kernel_report(std::uintptr_t queue, DType dtype, DType out_dtype,
+                                        const std::string& variants_for = "");
+// The kernel names a bundle of one dtype pair holds for a GPU target ("" : this queue's device),
+// without building it.
+std::vector<std::string> bundle_kernel_names(std::uintptr_t queue, const std::string& variants_for,
+                                             DType dtype, DType out_dtype);
+// The SPIR-V modules of the bundle of one dtype pair with the variants chosen for a GPU target (or
+// "" for the CPU device), built on the SYCL CPU device: what Intel's GPU compiler takes.
+std::vector<std::string> spirv_modules(const std::string& variants_for, DType dtype, DType out_dtype);
 const char* kernel_source();
 
 }  // namespace moe_xpu

@@ -43,6 +43,7 @@ TEST_FILES = [
     "tests/test_matrix_engine.py",
     "tests/test_transformers_integration.py",
     "tests/test_portability.py",
+    "tests/test_gpu_variants.py",
 ]
 
 # An odd worker count: share boundaries fall mid-group and mid-unit (the default is even).

@@ -1,0 +1,53 @@
+#include "device_model.hpp"
+
+#include <stdexcept>
+
+namespace moe_xpu {
+
+namespace {
+
+// Public figures of the largest part of each generation (what the variant choice reads: sub-group
+// sizes, work-group local memory, Xe cores, XMX tile shapes). Work-group SLM is taken as 64 KB
+// except on Xe-HPC (128 KB): the smallest a part of the generation gives a work-group, so a
+// variant that fits here fits every part. Compute units only size the persistent grid.
+DeviceDescription gpu(const char* name, std::int64_t xe_cores, std::int64_t slm_kb,
+                      std::vector<std::size_t> sub_groups, std::vector<MatrixShape> xmx) {
+  DeviceDescription d;
+  d.name = name;
+  d.is_cpu = false;
+  d.sub_group_sizes = std::move(sub_groups);
+  d.local_mem_size = slm_kb * 1024;
+  d.compute_units = xe_cores;
+  d.matrix_shapes = std::move(xmx);
+  return d;
+}
+
+const MatrixShape kXmx16{8, 16, 16, 16};  // Xe-HPC, Xe2, Xe3: DPAS 8 x 8 on 16 lanes
+const MatrixShape kXmx8{8, 8, 16, 8};     // Xe-HPG: DPAS on 8 lanes
+
+std::vector<DeviceDescription> all_gpus() {
+  return {
+      gpu("pvc", 64, 128, {16, 32}, {kXmx16}),    // Data Center GPU Max 1550, per stack
+      gpu("bmg", 20, 64, {16, 32}, {kXmx16}),     // Arc B580
+      gpu("lnl", 8, 64, {16, 32}, {kXmx16}),      // Lunar Lake, Arc 140V
+      gpu("ptl", 12, 64, {16, 32}, {kXmx16}),     // Panther Lake
+      gpu("dg2", 32, 64, {8, 16, 32}, {kXmx8}),   // Arc A770
+      gpu("mtl", 8, 64, {8, 16, 32}, {}),         // Meteor Lake: no XMX
+  };
+}
+
+}  // namespace
+
+std::vector<std::string> gpu_targets() {
+  std::vector<std::string> names;
+  for (const DeviceDescription& d : all_gpus()) names.push_back(d.name);
+  return names;
+}
+
+DeviceDescription gpu_description(const std::string& target) {
+  for (DeviceDescription& d : all_gpus())
+    if (d.name == target) return d;
+  throw std::invalid_argument("moe_xpu: unknown GPU target '" + target + "' (known: pvc, bmg, lnl, ptl, dg2, mtl)");
+}
+
+}  // namespace moe_xpu

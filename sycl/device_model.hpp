@@ -1,0 +1,42 @@
+// A device as the kernel-variant choice sees it: read off the device a queue runs on, or, for an
+// Intel GPU generation that is not present, its published figures. The choice of kernels and
+// tiles (variants.hpp) depends on nothing else, so it can be evaluated, compiled (gpu_check) and
+// even run on the CPU device for a GPU we do not have.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe_xpu {
+
+// One matrix-engine tile shape (joint_matrix, bf16 inputs, float accumulator) and the sub-group
+// size it runs with: 16 x 16 x 32 for AMX; 8 x 16 x 16 at 16 lanes on Xe-HPC, Xe2 and Xe3;
+// 8 x 8 x 16 at 8 lanes on Xe-HPG.
+struct MatrixShape {
+  int m = 0, n = 0, k = 0;
+  int sub_group_size = 0;
+};
+
+struct DeviceDescription {
+  std::string name;  // "cpu", or the GPU target as ocloc names it (pvc, bmg, lnl, ptl, dg2, mtl)
+  bool is_cpu = true;
+  std::vector<std::size_t> sub_group_sizes;
+  std::int64_t local_mem_size = 0;  // work-group local memory (SLM) one work-group may use
+  std::int64_t compute_units = 0;   // cores, or Xe cores
+  std::vector<MatrixShape> matrix_shapes;  // matrix-engine tiles available to the kernels
+
+  bool has_matrix_shape(int m, int n, int k) const {
+    for (const MatrixShape& s : matrix_shapes)
+      if (s.m == m && s.n == n && s.k == k) return true;
+    return false;
+  }
+};
+
+// The Intel GPU generations the kernels are compile-checked for, in ocloc's names.
+std::vector<std::string> gpu_targets();
+// The published figures of one of them (throws std::invalid_argument for another name).
+DeviceDescription gpu_description(const std::string& target);
+
+}  // namespace moe_xpu

@@ -1,0 +1,299 @@
+#include "variants.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <iterator>
+#include <sstream>
+#include <stdexcept>
+
+namespace moe_xpu {
+namespace {
+
+const char* type_name(DType t) {
+  switch (t) {
+    case DType::float32: return "float";
+    case DType::float16: return "sycl::half";
+    case DType::bfloat16: return "uint16_t";
+  }
+  throw std::invalid_argument("moe_xpu: unknown dtype");
+}
+
+constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
+// The tile shapes compiled into every bundle, per kernel. K-split (k_lanes, plain and gated
+// alike; the gated epilogue needs an even TN: gate and up columns in pairs): {1, 8} decode,
+// {6, 4} otherwise (3-7% faster than {8, 3} and {4, 6} in float32 at 16 and 64 rows per expert,
+// equal in bfloat16); its short last row tiles run 1- and 4-row variants compiled into the same
+// kernel, which measured faster than a separate 4-row tile shape. N-split (n_lanes): wide tiles
+// so each k-step reads a long contiguous piece of a B row: {2, 8} beyond decode ({4, 6} spilled
+// three accumulators; {2, 8} measured 1.27x faster in bfloat16 at 16 rows per expert, equal in
+// float32); for decode on the CPU {1, 128}, a row streaming whole 2048-column blocks of B rows
+// with its sums in work-group local memory (see n_lanes_row_stream; [E, K, N] decode, weights not
+// in cache: float32 19.5 -> 14.4 ms, bfloat16 12.9 -> 9.3 ms; before it the register tile
+// {1, 24}, 10-15% faster than {1, 12} on the CPU). GPUs get {1, 8} and {2, 4}: wider N-split
+// tiles keep too many 64-bit column addresses live and spill (python -m moe_xpu.gpu_check: {1, 24} spilled 6-9 KB per thread on
+// pvc, dg2 and mtl; bf16 {2, 8} 1.2-1.3 KB on dg2 and mtl, which emulate 64-bit integer math).
+// The first shape of each list is the decode shape.
+constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
+constexpr TileShape kNLanesTilesCpu[] = {{1, 128}, {2, 8}};
+constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
+
+}  // namespace
+
+Family family_of(bool k_lanes, bool gated) {
+  if (gated && !k_lanes)
+    throw std::invalid_argument("moe_xpu: the gated-activation epilogue needs B contiguous along K");
+  return !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
+}
+
+std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
+  switch (f) {
+    case Family::k_lanes:
+    case Family::k_lanes_gated: return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
+    case Family::n_lanes:
+      if (d.is_cpu) return {std::begin(kNLanesTilesCpu), std::end(kNLanesTilesCpu)};
+      return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
+    // 16 tokens x 2 engine tiles of 16 weight rows (gated: one gate and one up tile).
+    case Family::matrix:
+    case Family::matrix_gated:
+    case Family::matrix_kn: return {TileShape{16, 2}};
+  }
+  throw std::invalid_argument("moe_xpu: unknown kernel family");
+}
+
+namespace {
+
+// Few rows per expert (decode): one row per tile so no work is spent on padding rows; many rows
+// (prefill): taller tiles reuse each loaded B value across more rows.
+TileShape choose_tile(Family f, const DeviceDescription& d, double rows_per_group) {
+  const std::vector<TileShape> tiles = family_tiles(f, d);
+  return tiles[rows_per_group <= 2.0 || tiles.size() == 1 ? 0 : 1];
+}
+
+// The vector kernels' K chunk: on the CPU device, tiles of several rows walk K in chunks, their
+// partial sums in work-group local memory. N-split (moe_gemm_n_lanes): chunks of 16 B rows, read
+// across a block of column tiles (see n_lanes_unit_shape; chunks of 8 and 32 measured 2-10%
+// slower on the [E, K, N] bench cases). K-split (moe_gemm_k_lanes): chunks
+// of 256 (128 for units of two row tiles, 512 for six or more) whose row tiles prefetch the
+// next chunk while they compute this one, so a unit's weight rows stream from memory while it
+// computes (without chunks: bench prefill float32 113 -> 98 ms, 64tok 55 -> 52 ms; with the
+// prefetch, cold cache, same process, best of 7: prefill 98 -> 91 ms, fused MoE prefill first /
+// second GEMM 96 / 59 -> 84 / 48 ms).
+// Elsewhere (and for the decode tile, where a B slice serves one row tile) no chunking, which
+// also keeps work-group local memory free on GPUs.
+int k_chunk(Family f, const DeviceDescription& d, TileShape s) {
+  if (!d.is_cpu || s.tile_m <= 1) return 0;
+  return f == Family::n_lanes ? 16 : 256;
+}
+
+constexpr std::int64_t kNLanesPartialTiles = 192;        // must match moe_gemm.cpp
+constexpr int kRegisterTileVectors = 32;                 // must match moe_gemm.cpp
+
+// Bytes of work-group local memory a vector kernel variant declares (group_local_memory in
+// moe_gemm.cpp: partial_sums_area for K chunks, n_lanes_row_stream's row sums); the matrix
+// kernels use a global scratch area instead.
+std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescription& d) {
+  const std::int64_t floats_per_tile = std::int64_t(s.tile_m) * s.tile_n * kSubGroupSize;
+  switch (f) {
+    case Family::k_lanes:
+    case Family::k_lanes_gated:
+      return k_chunk(f, d, s) > 0 ? (kUnitRows / s.tile_m) * floats_per_tile * 4 : 0;
+    case Family::n_lanes:
+      if (s.tile_n > kRegisterTileVectors) return std::int64_t(s.tile_n) * kSubGroupSize * 4;
+      return k_chunk(f, d, s) > 0 ? kNLanesPartialTiles * floats_per_tile * 4 : 0;
+    case Family::matrix:
+    case Family::matrix_gated:
+    case Family::matrix_kn: return 0;
+  }
+  throw std::invalid_argument("moe_xpu: unknown kernel family");
+}
+
+// The template arguments of one kernel variant, as written in its name and its instantiation.
+std::string template_args(Family f, DType a, DType t, DType out, TileShape s, const DeviceDescription& d) {
+  std::ostringstream args;
+  if (f == Family::matrix_kn) {
+    args << type_name(a) << ", " << type_name(out);
+    return args.str();
+  }
+  if (f == Family::matrix || f == Family::matrix_gated) {
+    args << type_name(a) << ", " << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false");
+    return args.str();
+  }
+  args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+  if (f != Family::n_lanes) args << ", " << (f == Family::k_lanes_gated ? "true" : "false");
+  args << ", " << k_chunk(f, d, s);
+  return args.str();
+}
+
+// The kernel template a family instantiates: moe_gemm_<base> in moe_gemm.cpp, instantiated there
+// by the macro MOE_XPU_INSTANTIATE_<BASE>(template arguments).
+std::string kernel_base(Family f) {
+  switch (f) {
+    case Family::k_lanes:
+    case Family::k_lanes_gated: return "k_lanes";
+    case Family::n_lanes: return "n_lanes";
+    case Family::matrix:
+    case Family::matrix_gated: return "matrix";
+    case Family::matrix_kn: return "matrix_kn";
+  }
+  throw std::invalid_argument("moe_xpu: unknown kernel family");
+}
+
+std::string family_kernel_name(Family f, DType a, DType t, DType out, TileShape s, const DeviceDescription& d) {
+  return "moe_xpu::moe_gemm_" + kernel_base(f) + "<" + template_args(f, a, t, out, s, d) + ">";
+}
+
+std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, TileShape s, const DeviceDescription& d) {
+  std::string macro = kernel_base(f);
+  std::transform(macro.begin(), macro.end(), macro.begin(), [](unsigned char c) { return std::toupper(c); });
+  return "MOE_XPU_INSTANTIATE_" + macro + "(" + template_args(f, a, t, out, s, d) + ")\n";
+}
+
+// K-split kernels of 16-bit B are also compiled with float A (see LaunchPlan::widen_a), at every
+// tile: the fused MoE's second GEMM reads its float32 h at any tile. (The N-split kernel reads A
+// as one broadcast scalar per row and k step; float A measured no faster there.)
+// The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
+bool has_float_a_variant(Family f, DType t) {
+  return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn;
+}
+
+// MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
+// so every share boundary falls somewhere new); unset or 0: chosen per launch.
+std::int64_t workers_from_environment() {
+  static const std::int64_t forced = [] {
+    const char* v = std::getenv("MOE_XPU_NUM_WORKERS");
+    return v != nullptr ? std::max<std::int64_t>(0, std::atoll(v)) : std::int64_t{0};
+  }();
+  return forced;
+}
+
+}  // namespace
+
+// Bytes of one worker's scratch area in the matrix kernels (matrix_scratch_bytes in moe_gemm.cpp).
+constexpr std::int64_t kKnCols = 4096, kKnChunk = 32;  // must match moe_gemm.cpp
+std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
+  const std::int64_t tile = 16 * 16 * 4, kn_packed = kKnChunk * kKnCols * 2;
+  const std::int64_t kn_partial = (kUnitRows / 16) * (kKnCols / 16) * tile;
+  return kUnitRows * K * 2 + (kn ? kn_packed + kn_partial : 0) + 4 * tile;
+}
+
+bool has_matrix_engine(const DeviceDescription& d) { return d.has_matrix_shape(16, 16, 32); }
+
+std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
+  std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
+  if (t == DType::bfloat16 && has_matrix_engine(d))
+    families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_kn});
+  std::vector<Variant> variants;
+  for (Family f : families)
+    for (TileShape s : family_tiles(f, d)) {
+      variants.push_back(Variant{f, t, t, out, s});
+      if (has_float_a_variant(f, t)) variants.push_back(Variant{f, DType::float32, t, out, s});
+    }
+  return variants;
+}
+
+std::string kernel_name(const Variant& v, const DeviceDescription& d) {
+  return family_kernel_name(v.family, v.a, v.b, v.out, v.shape, d);
+}
+
+std::string kernel_instantiation(const Variant& v, const DeviceDescription& d) {
+  return family_kernel_instantiation(v.family, v.a, v.b, v.out, v.shape, d);
+}
+
+std::int64_t local_memory_bytes(const Variant& v, const DeviceDescription& d) {
+  return family_local_memory_bytes(v.family, v.shape, d);
+}
+
+LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
+  if (args.b_stride_k != 1 && args.b_stride_n != 1)
+    throw std::invalid_argument("moe_xpu: b must be contiguous along K or along N");
+  const bool k_lanes = args.b_stride_k == 1;
+  const bool cpu = d.is_cpu;
+  const double rows_per_group =
+      args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
+
+  const bool gated = args.activation != 0;
+  // The matrix engine, for bf16 B in whole engine tiles (either layout; gated epilogue and float A
+  // with K-contiguous B only), when a group holds more than a couple of rows on average, or when
+  // an expert's weights (4 MB or more) stream from beyond the core's L2. With one or two rows a
+  // group, a 16-token engine tile does mostly padding work: on small cache-resident experts the
+  // vector kernels' one-row tile was faster (1 token top-8, E=64, K=2048, N=768: 0.61 vs 0.80 ms),
+  // while streaming larger experts from memory the engine's tile loads were (bench decode case,
+  // weights not in cache: 8.1 vs 10.4 ms). The vector kernels stay selectable (engine = 1) and are
+  // what tile overrides address.
+  const bool matrix_shape = args.dtype == DType::bfloat16 && args.K % 32 == 0 &&
+                            args.N % 16 == 0 && (k_lanes || !gated) &&
+                            (k_lanes || args.a_dtype == DType::bfloat16) &&
+                            has_matrix_engine(d);
+  if (args.engine == 2 && !matrix_shape)
+    throw std::invalid_argument(
+        "moe_xpu: the matrix engine needs a device with one, bf16 B, K % 32 == 0 and N % 16 == 0");
+  // With [E, K, N] weights on the CPU the vector kernels' streaming decode tile is the faster
+  // one for large experts too (9.3 vs 13.2 ms on the bench decode case), and their column-block
+  // units up to 4 rows a group (bench 16tok-E8: 16.0-16.7 vs 17.0-18.9 ms in three runs).
+  const double expert_weights = double(args.K) * double(args.N) * (gated ? 2.0 : 1.0);
+  const bool kn_cpu = !k_lanes && cpu;
+  const bool streamed = expert_weights * 2.0 >= double(4 << 20) && !kn_cpu;
+  const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape &&
+                                               (rows_per_group > (kn_cpu ? 4.0 : 2.0) || streamed) &&
+                                               args.tile_m == 0 && args.tile_n == 0);
+  const Family family = !use_matrix ? family_of(k_lanes, gated)
+                        : !k_lanes ? Family::matrix_kn
+                        : gated    ? Family::matrix_gated
+                                   : Family::matrix;
+  TileShape shape = choose_tile(family, d, rows_per_group);
+  if (!use_matrix && (args.tile_m != 0 || args.tile_n != 0)) {
+    bool found = false;
+    for (TileShape s : family_tiles(family, d))
+      if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) {
+        shape = s;
+        found = true;
+      }
+    if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
+  }
+
+  const std::int64_t compute_units = d.compute_units;
+  const std::int64_t lanes = kSubGroupSize;
+  LaunchPlan plan;
+  const bool float_a_compiled = has_float_a_variant(family, args.dtype);
+  if (args.a_dtype != args.dtype && (args.a_dtype != DType::float32 || !float_a_compiled))
+    throw std::invalid_argument(
+        "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
+  plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
+  plan.matrix_engine = use_matrix;
+  plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
+  plan.tile_m = shape.tile_m;
+  if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : gated ? 16 : 32;
+  else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
+  // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
+  // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per
+  // core; other cases unchanged within 2%);
+  // GPU: 4 sub-groups per work-group and enough of them to fill every Xe core's threads.
+  // (One sub-group per work-group on the CPU is also what the N-split kernel's K chunks assume:
+  // they keep one sub-group's partial sums in the work-group's local memory.)
+  const std::int64_t subgroups_per_wg = cpu ? 1 : 4;
+  const std::int64_t workers_per_cu = cpu ? 16 : 32;
+  plan.work_group_size = subgroups_per_wg * lanes;
+  std::int64_t workers = compute_units * workers_per_cu;
+  if (cpu) {
+    // Starting a work-group costs the CPU runtime a few microseconds: a tiny problem (a small
+    // model's decode step) gets one worker per ~4 MFLOP of work, at least one per core (a
+    // 1 MFLOP launch: 173 us with 32 workers, 75 us with 2).
+    const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
+    const std::int64_t by_work = static_cast<std::int64_t>(flops / 4.0e6) + 1;
+    workers = std::min(workers, std::max(compute_units, by_work));
+  }
+  if (args.num_workers > 0) workers = args.num_workers;
+  else if (const std::int64_t forced = workers_from_environment(); forced > 0) workers = forced;
+  // Never more workers than there can be work units (see for_each_owned_unit in the kernel: a
+  // unit covers up to kUnitRows rows of one group; every group may add one partial unit).
+  const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
+  const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
+  const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
+  workers = std::max<std::int64_t>(1, std::min(workers, max_units));
+  workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
+  plan.num_workers = workers;
+  return plan;
+}
+
+}  // namespace moe_xpu

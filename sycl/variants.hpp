@@ -1,0 +1,52 @@
+// The choice of kernel variants, tiles and launch shape: a function of the problem (GemmArgs)
+// and of a DeviceDescription only, so it can be evaluated for a GPU that is not present
+// (gpu_check compiles exactly what this returns for each Intel GPU generation; the tests run the
+// GPU variants on the CPU device).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "device_model.hpp"
+#include "launcher.hpp"
+
+namespace moe_xpu {
+
+// The sub-group size every kernel is written for (kLanes in moe_gemm.cpp).
+constexpr std::uint32_t kSubGroupSize = 16;
+
+// Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
+// is gated; bf16 runs on the matrix engine where there is one (see has_matrix_engine and
+// plan_for), with one matrix kernel per B layout.
+enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn };
+
+// (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
+// moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).
+struct TileShape {
+  int tile_m, tile_n;
+};
+
+// One kernel variant a bundle compiles: family, A, B and output dtypes, tile shape.
+struct Variant {
+  Family family;
+  DType a, b, out;
+  TileShape shape;
+};
+
+Family family_of(bool k_lanes, bool gated);
+std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
+// The device has the matrix engine the matrix kernels are written for (AMX's 16 x 16 x 32 tile).
+bool has_matrix_engine(const DeviceDescription& d);
+// Every variant the launcher can pick on device d for one (B dtype, output dtype) pair: one
+// bundle, one compiler run.
+std::vector<Variant> bundle_variants(const DeviceDescription& d, DType b, DType out);
+std::string kernel_name(const Variant& v, const DeviceDescription& d);
+std::string kernel_instantiation(const Variant& v, const DeviceDescription& d);
+// Work-group local memory a variant declares, in bytes.
+std::int64_t local_memory_bytes(const Variant& v, const DeviceDescription& d);
+// Bytes of one worker's scratch area in the matrix kernels.
+std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn);
+LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d);
+
+}  // namespace moe_xpu

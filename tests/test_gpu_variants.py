@@ -1,0 +1,128 @@
+"""The kernel variants the launcher picks for each Intel GPU generation, evaluated from the GPU's
+description (no GPU present): the choice itself, and those variants run on the SYCL CPU device
+(sub-group-16 work-groups of four sub-groups, as on a GPU) against the float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moe_xpu import ops
+from reference import assert_matches_reference
+
+GPU_TARGETS = ["pvc", "bmg", "lnl", "ptl", "dg2", "mtl"]
+XMX = {"pvc": (8, 16, 16, 16), "bmg": (8, 16, 16, 16), "lnl": (8, 16, 16, 16),
+       "ptl": (8, 16, 16, 16), "dg2": (8, 8, 16, 8)}
+
+
+def make_b(E, K, N, dtype, layout):
+    if layout == "kn":
+        return torch.randn(E, K, N, dtype=dtype)
+    return torch.randn(E, N, K, dtype=dtype).transpose(1, 2)
+
+
+def offsets(counts):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def test_every_target_is_described(C):
+    assert sorted(C.gpu_targets()) == sorted(GPU_TARGETS)
+    for target in GPU_TARGETS:
+        d = C.gpu_description(target)
+        assert 16 in d["sub_group_sizes"], target
+        assert d["local_mem_size"] >= 64 * 1024 and d["compute_units"] > 0, target
+        expected = [XMX[target]] if target in XMX else []
+        assert [tuple(s) for s in d["matrix_shapes"]] == expected, target
+    with pytest.raises(ValueError, match="unknown GPU target"):
+        C.gpu_description("gen9")
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_gpu_choice(C, target):
+    """On a GPU: no K chunks and no work-group local memory (both are CPU cache tactics), the
+    GPU tile table, four sub-groups per work-group, a grid from the Xe cores, and every variant's
+    local memory within the GPU's SLM."""
+    names = C.bundle_kernel_names(0, target, C.DType.bfloat16, C.DType.bfloat16)
+    assert names and all(n.endswith(", 0>") for n in names), names  # KChunk = 0 everywhere
+    assert not any("matrix" in n for n in names)  # no XMX kernel yet: vector kernels on GPUs
+    assert C.tile_shapes(False, False, 0, target) == [(1, 8), (2, 4)]
+    assert C.tile_shapes(True, False, 0, target) == [(1, 8), (6, 4)]
+    assert C.tile_shapes(True, True, 0, target) == [(1, 8), (6, 4)]
+    cus = C.gpu_description(target)["compute_units"]
+    for rows, E, layout in [(8, 8, "linear"), (4096, 8, "linear"), (4096, 8, "kn")]:
+        a = torch.empty(rows, 2048)
+        b = make_b(E, 2048, 1536, torch.float32, layout)
+        args = ops.gemm_args(a, b, offsets([rows // E] * E), None, None, torch.empty(rows, 1536))
+        args.variants_for = target
+        plan = C.plan_gemm(args)
+        assert plan.work_group_size == 64 and not plan.matrix_engine and not plan.widen_a
+        assert plan.num_workers % 4 == 0 and plan.num_workers <= 32 * cus
+        assert plan.tile_m == (1 if rows == 8 else (6 if layout == "linear" else 2))
+        if rows == 4096:  # enough work: many sub-groups per Xe core (capped by the work units)
+            assert plan.num_workers > 16 * cus
+    for report in C.kernel_report(0, C.DType.float32, C.DType.float32, target):
+        assert report.local_memory_bytes == 0, report.name
+
+
+def _distinct_variant_sets(C):
+    """One GPU target per distinct set of variants (targets choosing the same kernels run once)."""
+    seen, chosen = set(), []
+    for target in GPU_TARGETS:
+        key = tuple(C.bundle_kernel_names(0, target, C.DType.float32, C.DType.float32))
+        if key not in seen:
+            seen.add(key)
+            chosen.append(target)
+    return chosen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["linear", "kn"])
+def test_gpu_variants_run_correctly_here(C, dtype, layout):
+    """The GPU variants of every distinct GPU choice, run on the CPU device at every GPU tile
+    shape and odd worker counts, on shapes that break things: empty experts, one expert taking
+    most rows, sizes that are not multiples of any tile, the zeroed tail, an index table."""
+    T, E, K, N = 53, 6, 67, 83
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    counts = [0, 31, 1, 0, 7, 5]  # 44 of 53 rows: the last 9 are the zeroed tail
+    offs = offsets(counts)
+    gi = torch.randint(0, T, (sum(counts),))
+    a_, b_, offs_, gi_, _ = ops.kernel_ready(a, b, offs, gi, None)
+    for target in _distinct_variant_sets(C):
+        for (tile_m, tile_n), workers, gather in itertools.product(
+                C.tile_shapes(layout == "linear", False, 0, target), [0, 5], [False, True]):
+            rows = sum(counts) if gather else T
+            out = torch.full((rows, N), float("nan"), dtype=dtype)
+            args = ops.gemm_args(a_, b_, offs_, gi_ if gather else None, None, out)
+            args.variants_for = target
+            args.tile_m, args.tile_n, args.num_workers = tile_m, tile_n, workers
+            C.moe_gemm(args)
+            assert C.plan_gemm(args).work_group_size == 64
+            assert_matches_reference(out, a, b, offs, gather_index=gi if gather else None)
+
+
+def test_gpu_gated_variants_run_correctly_here(C):
+    """The gated epilogue (fused MoE's first GEMM) of the GPU variants, every GPU tile shape."""
+    import torch.nn.functional as F
+
+    from moe_xpu.fused import ACTIVATIONS
+
+    T, E, K, I = 29, 5, 45, 21
+    a = torch.randn(T, K)
+    b = make_b(E, K, 2 * I, torch.float32, "linear")
+    offs = offsets([6, 0, 14, 1, 9])
+    gi = torch.randint(0, T, (30,))
+    ref = torch.cat([a[gi[s:e]].double() @ b[g].double() for g, (s, e) in
+                     enumerate(zip([0, 6, 6, 20, 21], [6, 6, 20, 21, 30]))])
+    expected = F.silu(ref[:, :I]) * ref[:, I:]
+    a_, b_, offs_, gi_, _ = ops.kernel_ready(a, b, offs, gi, None)
+    for target in _distinct_variant_sets(C):
+        for tile_m, tile_n in C.tile_shapes(True, True, 0, target):
+            out = torch.empty(30, I)
+            args = ops.gemm_args(a_, b_, offs_, gi_, None, out)
+            args.activation, args.up_offset, args.N = ACTIVATIONS["silu"], I, I
+            args.variants_for, args.tile_m, args.tile_n = target, tile_m, tile_n
+            C.moe_gemm(args)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
