@@ -35,6 +35,7 @@ DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "f
 COMPILER_PACKAGES = ("intel-ocloc", "libigc2", "libigdfcl2", "libigdgmm12",
                      "libc6", "libstdc++6", "libgcc-s1", "zlib1g")
 COMPILER_SUITES = ("forky", "sid")  # Debian testing, then unstable
+AMX_TARGET = "sapphirerapids"
 
 
 class GpuCheckError(RuntimeError):
@@ -253,26 +254,30 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
         raise GpuCheckError("gpu_check builds the SPIR-V on the SYCL CPU device, which is not available: "
                             f"{_runtime.import_error() or 'no SYCL CPU device'}")
     rows, failures = [], []
-    spirv_of: dict[tuple, bytes] = {}  # one build per distinct set of variants
+    spirv_of: dict[tuple, list[bytes]] = {}  # one build per distinct set of variants
     for target in targets:
-        limit = C.gpu_description(target)["local_mem_size"]
+        description = C.gpu_description(target)
+        limit = description["local_mem_size"]
         for dtype, out_dtype in DTYPE_PAIRS:
             dt, odt = getattr(C.DType, dtype), getattr(C.DType, out_dtype)
             names = tuple(C.bundle_kernel_names(0, target, dt, odt))
             if names not in spirv_of:
-                modules = C.spirv_modules(target, dt, odt)
-                if len(modules) != 1:
-                    raise GpuCheckError(f"expected one SPIR-V module for {target} {dtype}, got {len(modules)}")
-                spirv_of[names] = modules[0]
+                # The runtime may split a bundle into several modules (by the optional device
+                # features their kernels use: joint_matrix kernels come apart).
+                spirv_of[names] = list(C.spirv_modules(target, dt, odt))
             label = dtype if dtype == out_dtype else f"{dtype}->{out_dtype}"
-            stem = f"{dtype}_{out_dtype}"
-            spv = work / target / f"{stem}.spv"
-            spv.parent.mkdir(parents=True, exist_ok=True)
-            spv.write_bytes(spirv_of[names])
-            if spirv_out is not None:
-                (spirv_out / target).mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(spv, spirv_out / target / spv.name)
-            builds, error = compile_module(compiler, spv, target, work / target / stem)
+            builds, error = {}, ""
+            for i, module in enumerate(spirv_of[names]):
+                stem = f"{dtype}_{out_dtype}" + (f"_{i}" if len(spirv_of[names]) > 1 else "")
+                spv = work / target / f"{stem}.spv"
+                spv.parent.mkdir(parents=True, exist_ok=True)
+                spv.write_bytes(module)
+                if spirv_out is not None:
+                    (spirv_out / target).mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(spv, spirv_out / target / spv.name)
+                module_builds, module_error = compile_module(compiler, spv, target, work / target / stem)
+                builds.update(module_builds)
+                error = error or module_error
             if error:
                 failures.append(f"{target} {label}: ocloc failed:\n{error}")
                 continue
@@ -283,6 +288,8 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
             for name in names:
                 if name not in built:
                     failures.append(f"{target} {label}: {name} is missing from the compiled module")
+            if description["matrix_shapes"] and dtype == "bfloat16" and not any("moe_gemm_matrix" in n for n in names):
+                failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
             for name, b in sorted(built.items()):
                 b.name = name
                 problems = []
@@ -327,11 +334,12 @@ def summarize(rows: list[Row], targets: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("SYCL_CACHE_PERSISTENT") != "0":
+    if os.environ.get("SYCL_CACHE_PERSISTENT") != "0" or os.environ.get("CL_CONFIG_CPU_TARGET_ARCH") != AMX_TARGET:
         # A kernel bundle loaded from the runtime's persistent cache comes back as a device binary
-        # without its SPIR-V, so this process builds from source: rerun with that cache off (the
-        # SYCL runtime reads the variable once, when it loads).
-        env = dict(os.environ, SYCL_CACHE_PERSISTENT="0")
+        # without its SPIR-V, so this process builds from source: rerun with that cache off. And
+        # the CPU device compiles the XMX variants' joint_matrix code only for an AMX target
+        # (compile only: nothing is launched here). The SYCL runtime reads both when it loads.
+        env = dict(os.environ, SYCL_CACHE_PERSISTENT="0", CL_CONFIG_CPU_TARGET_ARCH=AMX_TARGET)
         args = sys.argv[1:] if argv is None else argv
         return subprocess.run([sys.executable, "-m", "moe_xpu.gpu_check", *args], env=env).returncode
     parser = argparse.ArgumentParser(prog="python -m moe_xpu.gpu_check", description=__doc__.split("\n\n")[0])

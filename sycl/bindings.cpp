@@ -60,6 +60,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tile_n", &moe_xpu::LaunchPlan::tile_n)
       .def_readonly("num_workers", &moe_xpu::LaunchPlan::num_workers)
       .def_readonly("work_group_size", &moe_xpu::LaunchPlan::work_group_size)
+      .def_readonly("sub_group_size", &moe_xpu::LaunchPlan::sub_group_size)
       .def_readonly("widen_a", &moe_xpu::LaunchPlan::widen_a)
       .def_readonly("matrix_engine", &moe_xpu::LaunchPlan::matrix_engine);
 
@@ -76,6 +77,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<moe_xpu::KernelReport>(m, "KernelReport")
       .def_readonly("name", &moe_xpu::KernelReport::name)
+      .def_readonly("expected_sub_group_size", &moe_xpu::KernelReport::expected_sub_group_size)
       .def_readonly("required_sub_group_size", &moe_xpu::KernelReport::required_sub_group_size)
       .def_readonly("compiled_sub_group_size", &moe_xpu::KernelReport::compiled_sub_group_size)
       .def_readonly("max_work_group_size", &moe_xpu::KernelReport::max_work_group_size)
@@ -84,6 +86,7 @@ PYBIND11_MODULE(_C, m) {
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
+  m.def("plan_gemm_on_gpu", &moe_xpu::plan_gemm_on_gpu, py::arg("args"), py::arg("target"));
   m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false,
         py::arg("queue") = 0, py::arg("variants_for") = "");
   m.def("device_info", &moe_xpu::device_info, py::arg("queue") = 0);

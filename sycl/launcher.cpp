@@ -68,16 +68,24 @@ bool cpu_has_amx_bf16() {
 // that has them (CL_CONFIG_CPU_TARGET_ARCH, set by moe_xpu/_runtime.py before the runtime loads);
 // its default target has no matrix engine and aborts the process on joint_matrix code.
 // MOE_XPU_MATRIX_ENGINE=0 turns the matrix-engine kernels off.
+// The OpenCL CPU compiler's target is an AMX CPU: joint_matrix code compiles (it does so on any
+// CPU; it runs only on one with AMX).
+bool cpu_target_compiles_matrix() {
+  static const bool amx_target = [] {
+    const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
+    if (arch == nullptr) return false;
+    const std::string a(arch);
+    return a == "sapphirerapids" || a == "emeraldrapids" || a == "graniterapids" ||
+           a == "graniterapids-d" || a == "diamondrapids";
+  }();
+  return amx_target;
+}
+
 bool cpu_amx_usable() {
   static const bool usable = [] {
     const char* off = std::getenv("MOE_XPU_MATRIX_ENGINE");
     if (off != nullptr && std::string(off) == "0") return false;
-    const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
-    if (arch == nullptr) return false;
-    const std::string a(arch);
-    const bool amx_target = a == "sapphirerapids" || a == "emeraldrapids" || a == "graniterapids" ||
-                            a == "graniterapids-d" || a == "diamondrapids";
-    return amx_target && cpu_has_amx_bf16();
+    return cpu_target_compiles_matrix() && cpu_has_amx_bf16();
   }();
   return usable;
 }
@@ -103,10 +111,17 @@ const DeviceDescription& describe(const sycl::queue& q) {
 }
 
 // The description the variants are chosen for: the queue's device, or (variants_for names a GPU
-// target) that GPU's, so its variants run here on the CPU device for testing.
+// target) that GPU's, so its variants are built, and run for testing, on the CPU device. Its
+// matrix-engine (XMX) variants are kept only where the CPU compiler's target compiles
+// joint_matrix (an AMX target; gpu_check sets one); they then run only where AMX is usable.
 DeviceDescription description_for(const sycl::queue& q, const std::string& variants_for) {
   if (variants_for.empty()) return describe(q);
-  return gpu_description(variants_for);
+  DeviceDescription d = gpu_description(variants_for);
+  if (q.get_device().is_cpu() && !cpu_target_compiles_matrix()) {
+    d.matrix_shapes.clear();
+    d.name += "-vector";
+  }
+  return d;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -130,10 +145,12 @@ DeviceDescription description_for(const sycl::queue& q, const std::string& varia
 // Before building: the device offers what every variant of the bundle needs.
 void check_device(const sycl::device& dev, const std::vector<Variant>& variants, const DeviceDescription& d) {
   const auto sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
-  if (std::find(sizes.begin(), sizes.end(), std::size_t{kSubGroupSize}) == sizes.end())
-    refuse_device(dev, "sub-group size " + std::to_string(kSubGroupSize) + " is not among its sub-group sizes");
   const std::int64_t local = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   for (const Variant& v : variants) {
+    const std::size_t lanes = std::size_t(sub_group_size(v, d));
+    if (std::find(sizes.begin(), sizes.end(), lanes) == sizes.end())
+      refuse_device(dev, "sub-group size " + std::to_string(lanes) + " (kernel " + kernel_name(v, d) +
+                             ") is not among its sub-group sizes");
     const std::int64_t need = local_memory_bytes(v, d);
     if (need > local)
       refuse_device(dev, "kernel " + kernel_name(v, d) + " needs " + std::to_string(need) +
@@ -144,10 +161,10 @@ void check_device(const sycl::device& dev, const std::vector<Variant>& variants,
 // After building: each kernel was compiled for exactly the sub-group size it is written for.
 void check_built_kernel(const sycl::device& dev, const KernelReport& k) {
   const std::uint32_t required = k.required_sub_group_size, compiled = k.compiled_sub_group_size;
-  if (required != kSubGroupSize || compiled != kSubGroupSize)
+  if (required != k.expected_sub_group_size || compiled != k.expected_sub_group_size)
     refuse_device(dev, "kernel " + k.name + " was compiled with sub-group size " + std::to_string(compiled) +
                            " (required: " + (required == 0 ? std::string("none") : std::to_string(required)) +
-                           "), it needs exactly " + std::to_string(kSubGroupSize));
+                           "), it needs exactly " + std::to_string(k.expected_sub_group_size));
 }
 
 // One built kernel and what the build reported for it (see check_built_kernel).
@@ -223,7 +240,8 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
     namespace kds = sycl::info::kernel_device_specific;
     for (std::size_t i = 0; i < names.size(); ++i) {
       sycl::kernel k = exe.ext_oneapi_get_kernel(names[i]);
-      KernelReport r{names[i], k.get_info<kds::compile_sub_group_size>(dev),
+      KernelReport r{names[i], std::uint32_t(sub_group_size(variants[i], d)),
+                     k.get_info<kds::compile_sub_group_size>(dev),
                      k.get_info<kds::max_sub_group_size>(dev),
                      std::int64_t(k.get_info<kds::work_group_size>(dev)), local_memory_bytes(variants[i], d)};
       bundle->kernels.emplace(names[i], BuiltKernel{k, r});
@@ -248,6 +266,10 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated, std::uint
 
 LaunchPlan plan_gemm(const GemmArgs& args) {
   return plan_for(args, description_for(queue_for(args.queue), args.variants_for));
+}
+
+LaunchPlan plan_gemm_on_gpu(const GemmArgs& args, const std::string& target) {
+  return plan_for(args, gpu_description(target));
 }
 
 // Per-queue device scratch for the matrix kernels (each worker's packed rows of A), grown on
@@ -289,6 +311,9 @@ void moe_gemm(const GemmArgs& args) {
     refuse_device(q.get_device(), "kernel " + plan.kernel_name + " allows work-groups of at most " +
                                       std::to_string(built.report.max_work_group_size) + " work-items, the launch needs " +
                                       std::to_string(plan.work_group_size));
+  if (plan.matrix_engine && q.get_device().is_cpu() && !cpu_amx_usable())
+    throw std::runtime_error("moe_xpu: " + plan.kernel_name + " needs AMX, which this CPU device cannot run "
+                             "(matrix-engine variants of a GPU are only compiled here)");
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine
@@ -300,7 +325,7 @@ void moe_gemm(const GemmArgs& args) {
   const bool k_lanes = args.b_stride_k == 1;
   const std::int64_t b_stride_other = k_lanes ? args.b_stride_n : args.b_stride_k;
   const std::int64_t wg = plan.work_group_size;
-  const std::int64_t global = plan.num_workers / (wg / kSubGroupSize) * wg;
+  const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
   sycl::event done = q.submit([&](sycl::handler& h) {
     h.set_args(ptr(args.a), args.a_row_stride, args.a_rows, ptr(args.gather_index),
                int(args.gather_is_int64), ptr(args.b), args.b_stride_e, b_stride_other,
@@ -355,7 +380,7 @@ std::vector<KernelReport> kernel_report(std::uintptr_t queue, DType dtype, DType
 
 std::vector<std::string> bundle_kernel_names(std::uintptr_t queue, const std::string& variants_for,
                                              DType dtype, DType out_dtype) {
-  const DeviceDescription d = description_for(queue_for(queue), variants_for);
+  const DeviceDescription d = variants_for.empty() ? describe(queue_for(queue)) : gpu_description(variants_for);
   std::vector<std::string> names;
   for (const Variant& v : bundle_variants(d, dtype, out_dtype)) names.push_back(kernel_name(v, d));
   return names;

@@ -72,6 +72,7 @@ struct LaunchPlan {
   int tile_n = 0;  // columns per worker tile
   std::int64_t num_workers = 0;
   std::int64_t work_group_size = 0;
+  int sub_group_size = 16;
   // The planned kernel runs faster with A in float32 (16-bit A, K-contiguous B, tiles of several
   // rows): the caller may pass a float32 copy of A with a_dtype = float32.
   bool widen_a = false;
@@ -83,6 +84,7 @@ struct LaunchPlan {
 // these differs from what the kernel needs: see check_built_kernel in launcher.cpp).
 struct KernelReport {
   std::string name;
+  std::uint32_t expected_sub_group_size = 0;  // what the variant is written for
   std::uint32_t required_sub_group_size = 0;  // from the kernel's attribute; 0 = none
   std::uint32_t compiled_sub_group_size = 0;  // the largest sub-group the built kernel runs with
   std::int64_t max_work_group_size = 0;
@@ -90,6 +92,9 @@ struct KernelReport {
 };
 
 LaunchPlan plan_gemm(const GemmArgs& args);
+// The plan the launcher makes on a GPU generation (pvc, bmg, lnl, ptl, dg2, mtl), from its
+// description alone: what gpu_check compiles, evaluated on any host.
+LaunchPlan plan_gemm_on_gpu(const GemmArgs& args, const std::string& target);
 // The (tile_m, tile_n) shapes compiled for one kernel family (k_lanes: K-contiguous B; gated:
 // with the gated-activation epilogue, K-contiguous B only) on the device of a queue (0: the SYCL CPU
 // device). The first is the decode shape.
@@ -106,8 +111,8 @@ double warm_up(std::uintptr_t queue, DType dtype, DType out_dtype, const std::st
 // Builds (or takes from the cache) the bundle of one dtype pair and reports its kernels.
 std::vector<KernelReport> kernel_report(std::uintptr_t queue, DType dtype, DType out_dtype,
                                         const std::string& variants_for = "");
-// The kernel names a bundle of one dtype pair holds for a GPU target ("" : this queue's device),
-// without building it.
+// The kernel names a bundle of one dtype pair holds on a GPU target ("" : this queue's device),
+// without building it (on the CPU device a GPU's XMX variants are built only under an AMX target).
 std::vector<std::string> bundle_kernel_names(std::uintptr_t queue, const std::string& variants_for,
                                              DType dtype, DType out_dtype);
 // The SPIR-V modules of the bundle of one dtype pair with the variants chosen for a GPU target (or

@@ -38,6 +38,13 @@ constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTilesCpu[] = {{1, 128}, {2, 8}};
 constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
 
+// The matrix-engine tiles the K-contiguous matrix kernel is instantiated for, in order of
+// preference: AMX, then XMX on 16 lanes (Xe-HPC, Xe2, Xe3), then XMX on 8 lanes (Xe-HPG).
+constexpr MatrixShape kEngineTiles[] = {{16, 16, 32, 16}, {8, 16, 16, 16}, {8, 8, 16, 8}};
+
+// AMX's tile, for which the N-contiguous matrix kernel is written.
+bool has_amx_tile(const DeviceDescription& d) { return d.has_matrix_shape(16, 16, 32); }
+
 }  // namespace
 
 Family family_of(bool k_lanes, bool gated) {
@@ -54,8 +61,9 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
       if (d.is_cpu) return {std::begin(kNLanesTilesCpu), std::end(kNLanesTilesCpu)};
       return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
     // 16 tokens x 2 engine tiles of 16 weight rows (gated: one gate and one up tile).
+    // Engine-tile tokens x 2 weight tiles (gated: one gate and one up tile).
     case Family::matrix:
-    case Family::matrix_gated:
+    case Family::matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_kn: return {TileShape{16, 2}};
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
@@ -116,7 +124,9 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     return args.str();
   }
   if (f == Family::matrix || f == Family::matrix_gated) {
-    args << type_name(a) << ", " << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false");
+    const MatrixShape e = engine_tile(d);
+    args << type_name(a) << ", " << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false")
+         << ", " << e.m << ", " << e.n << ", " << e.k << ", " << e.sub_group_size;
     return args.str();
   }
   args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
@@ -177,12 +187,24 @@ std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
   return kUnitRows * K * 2 + (kn ? kn_packed + kn_partial : 0) + 4 * tile;
 }
 
-bool has_matrix_engine(const DeviceDescription& d) { return d.has_matrix_shape(16, 16, 32); }
+MatrixShape engine_tile(const DeviceDescription& d) {
+  for (const MatrixShape& s : kEngineTiles)
+    if (d.has_matrix_shape(s.m, s.n, s.k)) return s;
+  return MatrixShape{};
+}
+
+bool has_matrix_engine(const DeviceDescription& d) { return engine_tile(d).m != 0; }
+
+int sub_group_size(const Variant& v, const DeviceDescription& d) {
+  return v.family == Family::matrix || v.family == Family::matrix_gated ? engine_tile(d).sub_group_size
+                                                                        : int(kSubGroupSize);
+}
 
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
   if (t == DType::bfloat16 && has_matrix_engine(d))
-    families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_kn});
+    families.insert(families.end(), {Family::matrix, Family::matrix_gated});
+  if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
   std::vector<Variant> variants;
   for (Family f : families)
     for (TileShape s : family_tiles(f, d)) {
@@ -221,9 +243,11 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   // while streaming larger experts from memory the engine's tile loads were (bench decode case,
   // weights not in cache: 8.1 vs 10.4 ms). The vector kernels stay selectable (engine = 1) and are
   // what tile overrides address.
+  // GPUs: the XMX tile through the same K-contiguous kernel; [E, K, N] weights stay on the
+  // vector kernels there (the N-contiguous matrix kernel is written for AMX's tile).
   const bool matrix_shape = args.dtype == DType::bfloat16 && args.K % 32 == 0 &&
                             args.N % 16 == 0 && (k_lanes || !gated) &&
-                            (k_lanes || args.a_dtype == DType::bfloat16) &&
+                            (k_lanes || (args.a_dtype == DType::bfloat16 && has_amx_tile(d))) &&
                             has_matrix_engine(d);
   if (args.engine == 2 && !matrix_shape)
     throw std::invalid_argument(
@@ -253,8 +277,9 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   }
 
   const std::int64_t compute_units = d.compute_units;
-  const std::int64_t lanes = kSubGroupSize;
+  const std::int64_t lanes = use_matrix && k_lanes ? engine_tile(d).sub_group_size : kSubGroupSize;
   LaunchPlan plan;
+  plan.sub_group_size = int(lanes);
   const bool float_a_compiled = has_float_a_variant(family, args.dtype);
   if (args.a_dtype != args.dtype && (args.a_dtype != DType::float32 || !float_a_compiled))
     throw std::invalid_argument(
@@ -263,7 +288,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   plan.matrix_engine = use_matrix;
   plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
   plan.tile_m = shape.tile_m;
-  if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : gated ? 16 : 32;
+  if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : engine_tile(d).m * (gated ? 1 : 2);
   else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
   // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per
@@ -271,8 +296,9 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   // GPU: 4 sub-groups per work-group and enough of them to fill every Xe core's threads.
   // (One sub-group per work-group on the CPU is also what the N-split kernel's K chunks assume:
   // they keep one sub-group's partial sums in the work-group's local memory.)
+  // (GPU matrix-engine workers: 8 per Xe core, each with its scratch area in global memory.)
   const std::int64_t subgroups_per_wg = cpu ? 1 : 4;
-  const std::int64_t workers_per_cu = cpu ? 16 : 32;
+  const std::int64_t workers_per_cu = cpu ? 16 : use_matrix ? 8 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
   std::int64_t workers = compute_units * workers_per_cu;
   if (cpu) {

@@ -36,8 +36,12 @@ struct Variant {
 
 Family family_of(bool k_lanes, bool gated);
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
-// The device has the matrix engine the matrix kernels are written for (AMX's 16 x 16 x 32 tile).
+// The engine tile the K-contiguous matrix kernel uses on device d (m == 0: none).
+MatrixShape engine_tile(const DeviceDescription& d);
+// The device has a matrix engine whose tile the matrix kernels are written for.
 bool has_matrix_engine(const DeviceDescription& d);
+// The sub-group size a variant is written for (and required to compile with).
+int sub_group_size(const Variant& v, const DeviceDescription& d);
 // Every variant the launcher can pick on device d for one (B dtype, output dtype) pair: one
 // bundle, one compiler run.
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType b, DType out);

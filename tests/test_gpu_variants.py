@@ -5,6 +5,7 @@ description (no GPU present): the choice itself, and those variants run on the S
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -41,26 +42,39 @@ def test_every_target_is_described(C):
 
 @pytest.mark.parametrize("target", GPU_TARGETS)
 def test_gpu_choice(C, target):
-    """On a GPU: no K chunks and no work-group local memory (both are CPU cache tactics), the
-    GPU tile table, four sub-groups per work-group, a grid from the Xe cores, and every variant's
-    local memory within the GPU's SLM."""
+    """On a GPU: no K chunks and no work-group local memory (both are CPU cache tactics), the GPU
+    tile table, four sub-groups per work-group, a grid from the Xe cores; bf16 with K-contiguous
+    weights and several rows per expert on XMX, in the engine's tile and sub-group size."""
     names = C.bundle_kernel_names(0, target, C.DType.bfloat16, C.DType.bfloat16)
-    assert names and all(n.endswith(", 0>") for n in names), names  # KChunk = 0 everywhere
-    assert not any("matrix" in n for n in names)  # no XMX kernel yet: vector kernels on GPUs
+    vector = [n for n in names if "matrix" not in n]
+    assert vector and all(n.endswith(", 0>") for n in vector), names  # KChunk = 0 everywhere
+    matrix = [n for n in names if "matrix" in n]
+    if target in XMX:
+        tile = ", ".join(map(str, XMX[target]))
+        assert len(matrix) == 4 and all(n.endswith(f", {tile}>") for n in matrix), matrix
+        assert not any("matrix_kn" in n for n in names)  # [E, K, N] stays on the vector kernels
+    else:
+        assert not matrix
     assert C.tile_shapes(False, False, 0, target) == [(1, 8), (2, 4)]
     assert C.tile_shapes(True, False, 0, target) == [(1, 8), (6, 4)]
     assert C.tile_shapes(True, True, 0, target) == [(1, 8), (6, 4)]
     cus = C.gpu_description(target)["compute_units"]
-    for rows, E, layout in [(8, 8, "linear"), (4096, 8, "linear"), (4096, 8, "kn")]:
-        a = torch.empty(rows, 2048)
-        b = make_b(E, 2048, 1536, torch.float32, layout)
-        args = ops.gemm_args(a, b, offsets([rows // E] * E), None, None, torch.empty(rows, 1536))
-        args.variants_for = target
-        plan = C.plan_gemm(args)
-        assert plan.work_group_size == 64 and not plan.matrix_engine and not plan.widen_a
+    for dtype, rows, E, layout in itertools.product([torch.float32, torch.bfloat16], [8, 4096], [8], ["linear", "kn"]):
+        a = torch.empty(rows, 2048, dtype=dtype)
+        b = make_b(E, 2048, 1536, dtype, layout)
+        args = ops.gemm_args(a, b, offsets([rows // E] * E), None, None, torch.empty(rows, 1536, dtype=dtype))
+        plan = C.plan_gemm_on_gpu(args, target)
+        # (8 rows over 8 experts still take XMX: each expert's 6 MB of weights stream from memory.)
+        xmx = target in XMX and dtype == torch.bfloat16 and layout == "linear"
+        assert plan.matrix_engine == xmx, (dtype, rows, layout)
+        lanes = XMX[target][3] if xmx else 16
+        assert plan.sub_group_size == lanes and plan.work_group_size == 4 * lanes
+        if not xmx:
+            assert plan.tile_m == (1 if rows == 8 else (6 if layout == "linear" else 2))
+        if os.environ.get("MOE_XPU_NUM_WORKERS"):
+            continue  # the worker count is fixed (device matrix runs)
         assert plan.num_workers % 4 == 0 and plan.num_workers <= 32 * cus
-        assert plan.tile_m == (1 if rows == 8 else (6 if layout == "linear" else 2))
-        if rows == 4096:  # enough work: many sub-groups per Xe core (capped by the work units)
+        if rows == 4096 and not xmx:  # enough work: many sub-groups per Xe core (capped by the units)
             assert plan.num_workers > 16 * cus
     for report in C.kernel_report(0, C.DType.float32, C.DType.float32, target):
         assert report.local_memory_bytes == 0, report.name
@@ -126,3 +140,45 @@ def test_gpu_gated_variants_run_correctly_here(C):
             args.variants_for, args.tile_m, args.tile_n = target, tile_m, tile_n
             C.moe_gemm(args)
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["pvc", "dg2"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_xmx_variants_run_correctly_on_amx(C, target, gated):
+    """The XMX kernel (the matrix kernel at the GPU's engine tile: 8 x 16 x 16 on 16 lanes for
+    Xe-HPC/Xe2/Xe3, 8 x 8 x 16 on 8 lanes for Xe-HPG) run by the CPU device's AMX, against the
+    float64 reference: empty experts, one expert taking most rows, several token tiles, the zeroed
+    tail, an index table, bias."""
+    if not C.device_info(0).matrix_engine:
+        pytest.skip("needs a CPU with AMX-BF16 (the CPU device runs joint_matrix only there)")
+    import torch.nn.functional as F
+
+    from moe_xpu.fused import ACTIVATIONS
+
+    T, E, K, N = 70, 5, 96, 64
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = make_b(E, K, N, torch.bfloat16, "linear")
+    bias = torch.randn(E, N, dtype=torch.bfloat16)
+    counts = [0, 41, 3, 0, 17]
+    offs = offsets(counts)
+    gi = torch.randint(0, T, (sum(counts),))
+    a_, b_, offs_, gi_, bias_ = ops.kernel_ready(a, b, offs, gi, bias)
+    half = N // 2
+    out = torch.empty(sum(counts), half if gated else N, dtype=torch.float32)
+    args = ops.gemm_args(a_, b_, offs_, gi_, bias_, out)
+    args.variants_for = target
+    if gated:
+        args.activation, args.up_offset, args.N = ACTIVATIONS["silu"], half, half
+    plan = C.plan_gemm(args)
+    assert plan.matrix_engine and plan.sub_group_size == XMX[target][3]
+    C.moe_gemm(args)
+    if not gated:
+        assert_matches_reference(out, a, b, offs, gather_index=gi, bias=bias, out_dtype=torch.float32)
+        return
+    ref = torch.zeros(sum(counts), N, dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        ref[start:end] = a[gi[start:end]].double() @ b[g].double() + bias[g].double()
+        start = end
+    expected = F.silu(ref[:, :half]) * ref[:, half:]
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)

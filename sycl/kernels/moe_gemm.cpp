@@ -156,8 +156,9 @@ constexpr int kLanes = 16;
 // of kLanes. The sub_group_size<16> kernel property is only a hint to the runtime compiler (it
 // compiled SIMD8 on AVX2 CPUs and SIMD32 on Xe-HPC, and the 16-lane reductions then returned wrong
 // sums); the attribute is honoured, and the launcher checks each built kernel's size anyway.
-#define MOE_XPU_KERNEL \
-  [[sycl::reqd_sub_group_size(kLanes)]] SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+#define MOE_XPU_KERNEL_WITH_LANES(LANES) \
+  [[sycl::reqd_sub_group_size(LANES)]] SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+#define MOE_XPU_KERNEL MOE_XPU_KERNEL_WITH_LANES(kLanes)
 // Rows a work unit covers at most: enough to read B once in prefill, few enough that one
 // expert taking every row still spreads over many units.
 constexpr int64_t kUnitRows = 64;
@@ -835,7 +836,7 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
 
 // Matrix-engine variant (joint_matrix: AMX on Intel Xeon CPUs, XMX on Intel GPUs) for bf16 B
 // stored with K contiguous (nn.Linear weights seen through .transpose(1, 2)). It computes the
-// transposed product out^T = B^T A^T one 16 x 16 tile at a time: the weights are the matrix
+// transposed product out^T = B^T A^T one engine tile (EngineTile below) at a time: the weights are the matrix
 // engine's row-major left operand, read straight from memory, and the unit's tokens are its right
 // operand, which the engine wants in "packed" (VNNI) form: for each pair of k, the two values of
 // a token side by side, tokens along a row. Each worker packs the A rows of its row block once
@@ -845,10 +846,23 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
 // scatter) runs on them. Needs K % 32 == 0 and N % 16 == 0 (checked by the launcher).
 namespace jm = sycl::ext::oneapi::experimental::matrix;
 using bf16 = sycl::ext::oneapi::bfloat16;
+// AMX's engine tile, which the N-contiguous matrix kernel is written for:
 constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
 constexpr int kMatToks = 16;  // tokens per engine tile
 constexpr int kMatK = 32;     // k per engine step (bf16)
 constexpr int kMatTokTiles = int(kUnitRows) / kMatToks;
+
+// The K-contiguous matrix kernel's engine tile: Rows weight rows (output columns) x Toks tokens,
+// KStep k per engine step, run by sub-groups of Lanes (one token per lane when packing). The
+// shapes the device's matrix engine takes: AMX 16 x 16 x 32 on 16 lanes; Xe-HPC, Xe2 and Xe3 XMX
+// 8 x 16 x 16 on 16 lanes; Xe-HPG XMX 8 x 8 x 16 on 8 lanes. Everything else is shared.
+template <int Rows, int Toks, int KStep, int Lanes>
+struct EngineTile {
+  static_assert(Toks == Lanes, "token packing puts one token on each lane");
+  static constexpr int rows = Rows, toks = Toks, k_step = KStep, lanes = Lanes;
+  static constexpr int tok_tiles = int(kUnitRows) / Toks;
+  static constexpr int64_t tile_bytes = int64_t(Rows) * Toks * 4;
+};
 
 // The N-contiguous matrix kernel's unit: up to kKnCols columns, so that for N <= kKnCols a chunk
 // of B rows is one contiguous block of memory, read as one sequential stream (the hardware
@@ -869,6 +883,8 @@ constexpr int64_t kKnPartialBytes = int64_t(kMatTokTiles) * kKnTiles * kTileByte
 inline int64_t matrix_scratch_bytes(int64_t K, bool kn) {
   return matrix_a_bytes(K) + (kn ? kKnPackedBytes + kKnPartialBytes : 0) + 4 * kTileBytes;
 }
+// (Engine tiles smaller than AMX's fit the same area: the launcher sizes it with the formula
+// above for every K-contiguous matrix variant.)
 
 template <typename T>
 inline auto global_ptr(T* p) {
@@ -876,9 +892,9 @@ inline auto global_ptr(T* p) {
                                   sycl::access::decorated::no>(p);
 }
 
-// Real rows in token tile t of a group with `rows` rows.
-inline int64_t matrix_tile_rows(int64_t rows, int64_t t) {
-  return rows - t * kMatToks < kMatToks ? rows - t * kMatToks : kMatToks;
+// Real rows in token tile t (of `toks` tokens) of a group with `rows` rows.
+inline int64_t matrix_tile_rows(int64_t rows, int64_t t, int64_t toks = kMatToks) {
+  return rows - t * toks < toks ? rows - t * toks : toks;
 }
 
 // The token rows a matrix-kernel worker holds in its scratch, packed once per (group, row block):
@@ -890,10 +906,10 @@ struct HeldRowBlock {
   // and its real rows.
   template <typename PackTileFn>
   void hold(int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last,
-            PackTileFn&& pack_tile) {
+            PackTileFn&& pack_tile, int64_t toks = kMatToks) {
     if (g == group && m_first == block) return;
     for (int64_t t = m_first; t < m_last; ++t)
-      pack_tile(t - m_first, row_begin + t * kMatToks, matrix_tile_rows(rows, t));
+      pack_tile(t - m_first, row_begin + t * toks, matrix_tile_rows(rows, t, toks));
     group = g;
     block = m_first;
   }
@@ -907,39 +923,40 @@ inline uint32_t bf16_pair(float lo, float hi) {
 // Packs row tile `tile` of a row block (rows m0 .. m0 + valid - 1 of A's gathered rows) as
 // packed[r][t] = (a[t][2r], a[t][2r + 1]): lane t handles token t (rows past valid repeat the
 // last one; their outputs are not stored).
-template <typename TA>
+template <int Toks, typename TA>
 inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
                              const void* gather_index, int gather_is64, int64_t m0, int64_t valid,
                              int64_t K, int lane, uint32_t* packed) {
   const int64_t m = m0 + (lane < valid ? lane : valid - 1);
   const TA* row = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
   for (int64_t r = 0; r < K / 2; ++r)
-    packed[r * kMatToks + lane] = bf16_pair(row[2 * r], row[2 * r + 1]);
+    packed[r * Toks + lane] = bf16_pair(row[2 * r], row[2 * r + 1]);
 }
 
-// The k loop of `Tiles` consecutive packed token tiles (x: the first; the next follows K / 2 x 16
-// words later) against the unit's two weight tiles; stores accumulator (token tile j, weight
-// tile i) to stored + (2 j + i) * 256 as [weight row][token].
-template <int Tiles>
+// The k loop of `Tiles` consecutive packed token tiles (x: the first; the next follows
+// K / 2 x Toks words later) against the unit's two weight tiles; stores accumulator (token tile
+// j, weight tile i) to stored + (2 j + i) * Rows * Toks as [weight row][token].
+template <typename Tile, int Tiles>
 inline void matrix_k_loop(const sycl::sub_group& sg, const bf16* const (&w_rows)[2], int64_t b_stride_n,
                           const uint32_t* x, int64_t K, float* stored) {
-  jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, kMatRows, kMatToks> acc[Tiles][2];
+  constexpr int R = Tile::rows, Tk = Tile::toks, KS = Tile::k_step;
+  jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, R, Tk> acc[Tiles][2];
   for (int j = 0; j < Tiles; ++j)
     for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(sg, acc[j][i], 0.0f);
-  for (int64_t k = 0; k < K; k += kMatK) {
-    jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, kMatK, kMatToks, jm::layout::ext_intel_packed> xb[Tiles];
+  for (int64_t k = 0; k < K; k += KS) {
+    jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, KS, Tk, jm::layout::ext_intel_packed> xb[Tiles];
     for (int j = 0; j < Tiles; ++j)
-      jm::joint_matrix_load(sg, xb[j], global_ptr(reinterpret_cast<const bf16*>(x + j * (K / 2) * kMatToks) + k * kMatToks),
-                            2 * kMatToks);
+      jm::joint_matrix_load(sg, xb[j], global_ptr(reinterpret_cast<const bf16*>(x + j * (K / 2) * Tk) + k * Tk),
+                            2 * Tk);
     for (int i = 0; i < 2; ++i) {
-      jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, kMatRows, kMatK, jm::layout::row_major> wa;
+      jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, R, KS, jm::layout::row_major> wa;
       jm::joint_matrix_load(sg, wa, global_ptr(w_rows[i] + k), b_stride_n);
       for (int j = 0; j < Tiles; ++j) jm::joint_matrix_mad(sg, acc[j][i], wa, xb[j], acc[j][i]);
     }
   }
   for (int j = 0; j < Tiles; ++j)
     for (int i = 0; i < 2; ++i)
-      jm::joint_matrix_store(sg, acc[j][i], global_ptr(stored + (2 * j + i) * kMatRows * kMatToks), kMatToks,
+      jm::joint_matrix_store(sg, acc[j][i], global_ptr(stored + (2 * j + i) * R * Tk), Tk,
                              jm::layout::row_major);
 }
 
@@ -949,17 +966,17 @@ template <typename TOut>
 inline void matrix_zero_rows(TOut* out, int64_t out_row_stride, int64_t out_rows,
                              const void* scatter_index, int scatter_is64, const float* row_weight,
                              int64_t m_begin, int64_t m_end, int64_t tiles, int64_t n0, int cols,
-                             int64_t N, int lane) {
-  for (int64_t m = m_begin; m < m_end && m < m_begin + tiles * kMatToks; ++m)
-    for (int64_t j = lane; j < cols; j += kLanes)
+                             int64_t N, int lane, int64_t toks = kMatToks, int lanes = kLanes) {
+  for (int64_t m = m_begin; m < m_end && m < m_begin + tiles * toks; ++m)
+    for (int64_t j = lane; j < cols; j += lanes)
       if (n0 + j < N) {
         const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m, out_rows);
         out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(0.0f);
       }
 }
 
-template <typename TA, typename TOut, bool Gated>
-MOE_XPU_KERNEL
+template <typename TA, typename TOut, bool Gated, int Rows, int Toks, int KStep, int Lanes>
+MOE_XPU_KERNEL_WITH_LANES(Lanes)
 void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                      int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_n,
                      const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
@@ -967,67 +984,83 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
                      int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
                      const void* scatter_index, int scatter_is64, const float* row_weight,
                      void* scratch) {
+  using Tile = EngineTile<Rows, Toks, KStep, Lanes>;
   const Worker w = this_worker();
   unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K, false);
-  uint32_t* packed = reinterpret_cast<uint32_t*>(mine);  // [kMatTokTiles][K / 2][kMatToks]
-  float* stored = reinterpret_cast<float*>(mine + matrix_a_bytes(K));  // [4][16][16]
-  // Plain units are two weight tiles (32 output columns) wide; gated units one output tile of 16
-  // columns, whose gate and up weight rows make the two weight tiles.
-  constexpr int out_cols = Gated ? kMatRows : 2 * kMatRows;
+  uint32_t* packed = reinterpret_cast<uint32_t*>(mine);  // [tok_tiles][K / 2][Toks]
+  float* stored = reinterpret_cast<float*>(mine + matrix_a_bytes(K));  // [4][Rows][Toks]
+  // Plain units are two weight tiles (2 * Rows output columns) wide; gated units one output tile
+  // of Rows columns, whose gate and up weight rows make the two weight tiles.
+  constexpr int out_cols = Gated ? Rows : 2 * Rows;
+  // The epilogue's lanes walk the unit's output columns: column c = lane + Lanes * s.
+  constexpr int kColumnSteps = (out_cols + Lanes - 1) / Lanes;
   const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   HeldRowBlock held;  // what `packed` holds
   for_each_owned_unit(
-      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, kMatToks, kMatTokTiles,
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, Toks, Tile::tok_tiles,
       tiles_n, UnitCost{1, 14},
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
         const int64_t n0 = n_tile * out_cols;
         if (g == num_groups) {  // tail rows: zeros
           matrix_zero_rows(out, out_row_stride, out_rows, scatter_index, scatter_is64, row_weight,
-                           row_begin + m_first * kMatToks, row_begin + rows, m_last - m_first, n0,
-                           out_cols, N, w.lane);
+                           row_begin + m_first * Toks, row_begin + rows, m_last - m_first, n0,
+                           out_cols, N, w.lane, Toks, Lanes);
           return;
         }
         held.hold(g, row_begin, rows, m_first, m_last, [&](int64_t j, int64_t m0, int64_t valid) {
-          matrix_pack_rows(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, w.lane,
-                           packed + j * (K / 2) * kMatToks);
-        });
-        // The two weight tiles: rows n0.. and n0 + 16.. (gated: the up rows n0 + up_offset..).
-        // A plain unit at the last 16 columns repeats its first tile and stores only that one.
-        const bool second_stored = Gated || n0 + kMatRows < N;
+          matrix_pack_rows<Toks>(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, w.lane,
+                                 packed + j * (K / 2) * Toks);
+        }, Toks);
+        // The two weight tiles: rows n0.. and n0 + Rows.. (gated: the up rows n0 + up_offset..).
+        // A plain unit at the last Rows columns repeats its first tile and stores only that one.
+        const bool second_stored = Gated || n0 + Rows < N;
         const bf16* w_rows[2];
         for (int i = 0; i < 2; ++i) {
-          const int64_t n = Gated ? n0 + (i == 1 ? up_offset : 0) : n0 + (second_stored ? i * kMatRows : 0);
+          const int64_t n = Gated ? n0 + (i == 1 ? up_offset : 0) : n0 + (second_stored ? i * Rows : 0);
           w_rows[i] = reinterpret_cast<const bf16*>(b + g * b_stride_e + n * b_stride_n);
+        }
+        // Per column step: the weight tile and row behind this lane's output column, its bias
+        // (gated: gate and up), and whether the column is stored.
+        int tile_of[kColumnSteps], row_of[kColumnSteps];
+        bool stores[kColumnSteps];
+        float bias_v[kColumnSteps][2];
+        #pragma unroll
+        for (int s = 0; s < kColumnSteps; ++s) {
+          const int c = w.lane + Lanes * s;
+          tile_of[s] = Gated ? 0 : c / Rows;
+          row_of[s] = Gated ? c : c % Rows;
+          stores[s] = c < out_cols && (Gated || tile_of[s] == 0 || second_stored);
+          bias_v[s][0] = bias_v[s][1] = 0.0f;
+          if (bias != nullptr && stores[s]) {
+            const int64_t n = Gated ? n0 + c : n0 + (second_stored ? c : row_of[s]);
+            bias_v[s][0] = to_float(bias[g * bias_stride_e + n]);
+            if (Gated) bias_v[s][1] = to_float(bias[g * bias_stride_e + n + up_offset]);
+          }
         }
         // Token tiles in pairs where there are two (each weight tile then serves both from one
         // load), a last single tile alone.
         for (int64_t t = m_first; t < m_last; t += 2) {
           const int pair = t + 1 < m_last ? 2 : 1;
-          const uint32_t* x = packed + (t - m_first) * (K / 2) * kMatToks;
-          if (pair == 2) matrix_k_loop<2>(w.sg, w_rows, b_stride_n, x, K, stored);
-          else matrix_k_loop<1>(w.sg, w_rows, b_stride_n, x, K, stored);
+          const uint32_t* x = packed + (t - m_first) * (K / 2) * Toks;
+          if (pair == 2) matrix_k_loop<Tile, 2>(w.sg, w_rows, b_stride_n, x, K, stored);
+          else matrix_k_loop<Tile, 1>(w.sg, w_rows, b_stride_n, x, K, stored);
           for (int j = 0; j < pair; ++j) {
-            // Epilogue: lane l owns output column n0 + l (and n0 + 16 + l in plain units).
-            const float* tile = stored + j * 2 * kMatRows * kMatToks;
-            const int64_t m0 = row_begin + (t + j) * kMatToks;
-            const int64_t valid = matrix_tile_rows(rows, t + j);
-            float bias_v[2] = {0.0f, 0.0f};
-            if (bias != nullptr)
-              for (int i = 0; i < 2; ++i) {
-                const int64_t n = Gated ? n0 + w.lane + (i == 1 ? up_offset : 0)
-                                        : n0 + (second_stored ? i * kMatRows : 0) + w.lane;
-                bias_v[i] = to_float(bias[g * bias_stride_e + n]);
-              }
+            const float* tile = stored + j * 2 * Rows * Toks;  // [weight tile][weight row][token]
+            const int64_t m0 = row_begin + (t + j) * Toks;
+            const int64_t valid = matrix_tile_rows(rows, t + j, Toks);
             for (int64_t m = 0; m < valid; ++m) {
               const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
-              TOut* dst = out + target.row * out_row_stride + n0 + w.lane;
-              const float v0 = tile[w.lane * kMatToks + m] + bias_v[0];
-              const float v1 = tile[(kMatRows + w.lane) * kMatToks + m] + bias_v[1];
-              if constexpr (Gated) {
-                dst[0] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
-              } else {
-                dst[0] = FromFloat<TOut>::convert(v0 * target.weight);
-                if (second_stored) dst[kMatRows] = FromFloat<TOut>::convert(v1 * target.weight);
+              TOut* dst = out + target.row * out_row_stride + n0;
+              #pragma unroll
+              for (int s = 0; s < kColumnSteps; ++s) {
+                if (!stores[s]) continue;
+                const float v0 = tile[(tile_of[s] * Rows + row_of[s]) * Toks + m] + bias_v[s][0];
+                if constexpr (Gated) {
+                  const float v1 = tile[(Rows + row_of[s]) * Toks + m] + bias_v[s][1];
+                  dst[row_of[s]] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
+                } else {
+                  dst[second_stored ? w.lane + Lanes * s : row_of[s]] = FromFloat<TOut>::convert(v0 * target.weight);
+                }
               }
             }
           }
@@ -1150,8 +1183,8 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
       const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED, KCHUNK) \
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
-#define MOE_XPU_INSTANTIATE_MATRIX(TA, TOut, GATED) \
-  template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
+#define MOE_XPU_INSTANTIATE_MATRIX(TA, TOut, GATED, ROWS, TOKS, KSTEP, LANES) \
+  template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED, ROWS, TOKS, KSTEP, LANES>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
 #define MOE_XPU_INSTANTIATE_MATRIX_KN(TA, TOut) \
   template void moe_xpu::moe_gemm_matrix_kn<TA, TOut>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
 #define MOE_XPU_INSTANTIATE_N_LANES(TA, T, TOut, TM, TN, KCHUNK) \
