@@ -35,7 +35,7 @@ DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "f
 COMPILER_PACKAGES = ("intel-ocloc", "libigc2", "libigdfcl2", "libigdgmm12",
                      "libc6", "libstdc++6", "libgcc-s1", "zlib1g")
 COMPILER_SUITES = ("forky", "sid")  # Debian testing, then unstable
-AMX_TARGET = "sapphirerapids"
+AMX_TARGET = "graniterapids"  # AMX-BF16 and AMX-FP16: compiles bf16 and fp16 joint_matrix
 
 
 class GpuCheckError(RuntimeError):
@@ -288,7 +288,7 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
             for name in names:
                 if name not in built:
                     failures.append(f"{target} {label}: {name} is missing from the compiled module")
-            if description["matrix_shapes"] and dtype == "bfloat16" and not any("moe_gemm_matrix" in n for n in names):
+            if description["matrix_shapes"] and dtype != "float32" and not any("moe_gemm_matrix" in n for n in names):
                 failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
             for name, b in sorted(built.items()):
                 b.name = name
@@ -337,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("SYCL_CACHE_PERSISTENT") != "0" or os.environ.get("CL_CONFIG_CPU_TARGET_ARCH") != AMX_TARGET:
         # A kernel bundle loaded from the runtime's persistent cache comes back as a device binary
         # without its SPIR-V, so this process builds from source: rerun with that cache off. And
-        # the CPU device compiles the XMX variants' joint_matrix code only for an AMX target
-        # (compile only: nothing is launched here). The SYCL runtime reads both when it loads.
+        # the CPU device compiles the XMX variants' joint_matrix code only for an AMX target, fp16
+        # only for one with AMX-FP16 (compile only: nothing is launched here). The SYCL runtime
+        # reads both variables when it loads.
         env = dict(os.environ, SYCL_CACHE_PERSISTENT="0", CL_CONFIG_CPU_TARGET_ARCH=AMX_TARGET)
         args = sys.argv[1:] if argv is None else argv
         return subprocess.run([sys.executable, "-m", "moe_xpu.gpu_check", *args], env=env).returncode

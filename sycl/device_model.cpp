@@ -22,8 +22,8 @@ DeviceDescription gpu(const char* name, std::int64_t xe_cores, std::int64_t slm_
   return d;
 }
 
-const MatrixShape kXmx16{8, 16, 16, 16};  // Xe-HPC, Xe2, Xe3: DPAS 8 x 8 on 16 lanes
-const MatrixShape kXmx8{8, 8, 16, 8};     // Xe-HPG: DPAS on 8 lanes
+const MatrixShape kXmx16{8, 16, 16, 16, true};  // Xe-HPC, Xe2, Xe3: DPAS 8 x 8 on 16 lanes
+const MatrixShape kXmx8{8, 8, 16, 8, true};     // Xe-HPG: DPAS on 8 lanes
 
 std::vector<DeviceDescription> all_gpus() {
   return {

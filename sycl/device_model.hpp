@@ -13,10 +13,11 @@ namespace moe_xpu {
 
 // One matrix-engine tile shape (joint_matrix, bf16 inputs, float accumulator) and the sub-group
 // size it runs with: 16 x 16 x 32 for AMX; 8 x 16 x 16 at 16 lanes on Xe-HPC, Xe2 and Xe3;
-// 8 x 8 x 16 at 8 lanes on Xe-HPG.
+// 8 x 8 x 16 at 8 lanes on Xe-HPG (XMX takes fp16 at the same shapes).
 struct MatrixShape {
   int m = 0, n = 0, k = 0;
   int sub_group_size = 0;
+  bool fp16 = false;  // the engine also takes float16 inputs at this shape (XMX; not AMX-BF16)
 };
 
 struct DeviceDescription {

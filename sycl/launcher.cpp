@@ -64,21 +64,36 @@ bool cpu_has_amx_bf16() {
   return ((lo >> 17) & 3u) == 3u;
 }
 
+// AMX-FP16 (CPUID leaf 7 sub-leaf 1: EAX bit 21), on top of cpu_has_amx_bf16.
+bool cpu_has_amx_fp16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return cpu_has_amx_bf16() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 21) & 1u);
+}
+
 // The OpenCL CPU compiler emits AMX instructions for joint_matrix only when told to target a CPU
 // that has them (CL_CONFIG_CPU_TARGET_ARCH, set by moe_xpu/_runtime.py before the runtime loads);
 // its default target has no matrix engine and aborts the process on joint_matrix code.
 // MOE_XPU_MATRIX_ENGINE=0 turns the matrix-engine kernels off.
-// The OpenCL CPU compiler's target is an AMX CPU: joint_matrix code compiles (it does so on any
-// CPU; it runs only on one with AMX).
+std::string cpu_target() {
+  const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
+  return arch != nullptr ? arch : "";
+}
+
+// The OpenCL CPU compiler's target is an AMX CPU: bf16 joint_matrix code compiles (it does so on
+// any CPU; it runs only on one with AMX).
 bool cpu_target_compiles_matrix() {
   static const bool amx_target = [] {
-    const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
-    if (arch == nullptr) return false;
-    const std::string a(arch);
+    const std::string a = cpu_target();
     return a == "sapphirerapids" || a == "emeraldrapids" || a == "graniterapids" ||
            a == "graniterapids-d" || a == "diamondrapids";
   }();
   return amx_target;
+}
+
+// ... and fp16 joint_matrix code: targets with AMX-FP16.
+bool cpu_target_compiles_fp16_matrix() {
+  const std::string a = cpu_target();
+  return a == "graniterapids" || a == "graniterapids-d" || a == "diamondrapids";
 }
 
 bool cpu_amx_usable() {
@@ -120,6 +135,9 @@ DeviceDescription description_for(const sycl::queue& q, const std::string& varia
   if (q.get_device().is_cpu() && !cpu_target_compiles_matrix()) {
     d.matrix_shapes.clear();
     d.name += "-vector";
+  } else if (q.get_device().is_cpu() && !cpu_target_compiles_fp16_matrix()) {
+    for (MatrixShape& s : d.matrix_shapes) s.fp16 = false;
+    d.name += "-bf16";
   }
   return d;
 }
@@ -311,9 +329,11 @@ void moe_gemm(const GemmArgs& args) {
     refuse_device(q.get_device(), "kernel " + plan.kernel_name + " allows work-groups of at most " +
                                       std::to_string(built.report.max_work_group_size) + " work-items, the launch needs " +
                                       std::to_string(plan.work_group_size));
-  if (plan.matrix_engine && q.get_device().is_cpu() && !cpu_amx_usable())
-    throw std::runtime_error("moe_xpu: " + plan.kernel_name + " needs AMX, which this CPU device cannot run "
-                             "(matrix-engine variants of a GPU are only compiled here)");
+  if (plan.matrix_engine && q.get_device().is_cpu() &&
+      !(cpu_amx_usable() && (args.dtype != DType::float16 || cpu_has_amx_fp16())))
+    throw std::runtime_error("moe_xpu: " + plan.kernel_name + " needs AMX" +
+                             (args.dtype == DType::float16 ? "-FP16" : "") +
+                             ", which this CPU device cannot run (matrix-engine variants of a GPU are only compiled here)");
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine

@@ -40,7 +40,7 @@ constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
 
 // The matrix-engine tiles the K-contiguous matrix kernel is instantiated for, in order of
 // preference: AMX, then XMX on 16 lanes (Xe-HPC, Xe2, Xe3), then XMX on 8 lanes (Xe-HPG).
-constexpr MatrixShape kEngineTiles[] = {{16, 16, 32, 16}, {8, 16, 16, 16}, {8, 8, 16, 8}};
+constexpr MatrixShape kEngineTiles[] = {{16, 16, 32, 16, false}, {8, 16, 16, 16, true}, {8, 8, 16, 8, true}};
 
 // AMX's tile, for which the N-contiguous matrix kernel is written.
 bool has_amx_tile(const DeviceDescription& d) { return d.has_matrix_shape(16, 16, 32); }
@@ -125,7 +125,8 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
   }
   if (f == Family::matrix || f == Family::matrix_gated) {
     const MatrixShape e = engine_tile(d);
-    args << type_name(a) << ", " << type_name(out) << ", " << (f == Family::matrix_gated ? "true" : "false")
+    args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", "
+         << (f == Family::matrix_gated ? "true" : "false")
          << ", " << e.m << ", " << e.n << ", " << e.k << ", " << e.sub_group_size;
     return args.str();
   }
@@ -189,8 +190,14 @@ std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
 
 MatrixShape engine_tile(const DeviceDescription& d) {
   for (const MatrixShape& s : kEngineTiles)
-    if (d.has_matrix_shape(s.m, s.n, s.k)) return s;
+    for (const MatrixShape& own : d.matrix_shapes)
+      if (own.m == s.m && own.n == s.n && own.k == s.k && own.sub_group_size == s.sub_group_size) return own;
   return MatrixShape{};
+}
+
+bool engine_takes(const DeviceDescription& d, DType t) {
+  const MatrixShape e = engine_tile(d);
+  return e.m != 0 && (t == DType::bfloat16 || (t == DType::float16 && e.fp16));
 }
 
 bool has_matrix_engine(const DeviceDescription& d) { return engine_tile(d).m != 0; }
@@ -202,8 +209,7 @@ int sub_group_size(const Variant& v, const DeviceDescription& d) {
 
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
-  if (t == DType::bfloat16 && has_matrix_engine(d))
-    families.insert(families.end(), {Family::matrix, Family::matrix_gated});
+  if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
   std::vector<Variant> variants;
   for (Family f : families)
@@ -245,13 +251,13 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   // what tile overrides address.
   // GPUs: the XMX tile through the same K-contiguous kernel; [E, K, N] weights stay on the
   // vector kernels there (the N-contiguous matrix kernel is written for AMX's tile).
-  const bool matrix_shape = args.dtype == DType::bfloat16 && args.K % 32 == 0 &&
+  const bool matrix_shape = engine_takes(d, args.dtype) && args.K % 32 == 0 &&
                             args.N % 16 == 0 && (k_lanes || !gated) &&
-                            (k_lanes || (args.a_dtype == DType::bfloat16 && has_amx_tile(d))) &&
-                            has_matrix_engine(d);
+                            (k_lanes || (args.a_dtype == DType::bfloat16 && has_amx_tile(d)));
   if (args.engine == 2 && !matrix_shape)
     throw std::invalid_argument(
-        "moe_xpu: the matrix engine needs a device with one, bf16 B, K % 32 == 0 and N % 16 == 0");
+        "moe_xpu: the matrix engine needs a device with one, bf16 B (or fp16 where the engine takes it), "
+        "K % 32 == 0 and N % 16 == 0");
   // With [E, K, N] weights on the CPU the vector kernels' streaming decode tile is the faster
   // one for large experts too (9.3 vs 13.2 ms on the bench decode case), and their column-block
   // units up to 4 rows a group (bench 16tok-E8: 16.0-16.7 vs 17.0-18.9 ms in three runs).

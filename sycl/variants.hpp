@@ -40,6 +40,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
 MatrixShape engine_tile(const DeviceDescription& d);
 // The device has a matrix engine whose tile the matrix kernels are written for.
 bool has_matrix_engine(const DeviceDescription& d);
+// ... and it takes inputs of dtype t (bf16 everywhere; fp16 on XMX).
+bool engine_takes(const DeviceDescription& d, DType t);
 // The sub-group size a variant is written for (and required to compile with).
 int sub_group_size(const Variant& v, const DeviceDescription& d);
 // Every variant the launcher can pick on device d for one (B dtype, output dtype) pair: one

@@ -45,27 +45,29 @@ def test_gpu_choice(C, target):
     """On a GPU: no K chunks and no work-group local memory (both are CPU cache tactics), the GPU
     tile table, four sub-groups per work-group, a grid from the Xe cores; bf16 with K-contiguous
     weights and several rows per expert on XMX, in the engine's tile and sub-group size."""
-    names = C.bundle_kernel_names(0, target, C.DType.bfloat16, C.DType.bfloat16)
-    vector = [n for n in names if "matrix" not in n]
-    assert vector and all(n.endswith(", 0>") for n in vector), names  # KChunk = 0 everywhere
-    matrix = [n for n in names if "matrix" in n]
-    if target in XMX:
-        tile = ", ".join(map(str, XMX[target]))
-        assert len(matrix) == 4 and all(n.endswith(f", {tile}>") for n in matrix), matrix
-        assert not any("matrix_kn" in n for n in names)  # [E, K, N] stays on the vector kernels
-    else:
-        assert not matrix
+    for dtype in (C.DType.bfloat16, C.DType.float16):
+        names = C.bundle_kernel_names(0, target, dtype, dtype)
+        vector = [n for n in names if "matrix" not in n]
+        assert vector and all(n.endswith(", 0>") for n in vector), names  # KChunk = 0 everywhere
+        matrix = [n for n in names if "matrix" in n]
+        if target in XMX:  # float and 16-bit A, plain and gated, at the target's engine tile
+            tile = ", ".join(map(str, XMX[target]))
+            assert len(matrix) == 4 and all(n.endswith(f", {tile}>") for n in matrix), matrix
+            assert not any("matrix_kn" in n for n in names)  # [E, K, N] stays on the vector kernels
+        else:
+            assert not matrix
     assert C.tile_shapes(False, False, 0, target) == [(1, 8), (2, 4)]
     assert C.tile_shapes(True, False, 0, target) == [(1, 8), (6, 4)]
     assert C.tile_shapes(True, True, 0, target) == [(1, 8), (6, 4)]
     cus = C.gpu_description(target)["compute_units"]
-    for dtype, rows, E, layout in itertools.product([torch.float32, torch.bfloat16], [8, 4096], [8], ["linear", "kn"]):
+    for dtype, rows, E, layout in itertools.product([torch.float32, torch.bfloat16, torch.float16], [8, 4096], [8],
+                                                    ["linear", "kn"]):
         a = torch.empty(rows, 2048, dtype=dtype)
         b = make_b(E, 2048, 1536, dtype, layout)
         args = ops.gemm_args(a, b, offsets([rows // E] * E), None, None, torch.empty(rows, 1536, dtype=dtype))
         plan = C.plan_gemm_on_gpu(args, target)
         # (8 rows over 8 experts still take XMX: each expert's 6 MB of weights stream from memory.)
-        xmx = target in XMX and dtype == torch.bfloat16 and layout == "linear"
+        xmx = target in XMX and dtype != torch.float32 and layout == "linear"
         assert plan.matrix_engine == xmx, (dtype, rows, layout)
         lanes = XMX[target][3] if xmx else 16
         assert plan.sub_group_size == lanes and plan.work_group_size == 4 * lanes

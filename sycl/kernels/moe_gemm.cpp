@@ -834,7 +834,8 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
 }
 
 
-// Matrix-engine variant (joint_matrix: AMX on Intel Xeon CPUs, XMX on Intel GPUs) for bf16 B
+// Matrix-engine variant (joint_matrix: AMX on Intel Xeon CPUs, XMX on Intel GPUs) for bf16 (and, on
+// XMX, fp16) B
 // stored with K contiguous (nn.Linear weights seen through .transpose(1, 2)). It computes the
 // transposed product out^T = B^T A^T one engine tile (EngineTile below) at a time: the weights are the matrix
 // engine's row-major left operand, read straight from memory, and the unit's tokens are its right
@@ -920,36 +921,50 @@ inline uint32_t bf16_pair(float lo, float hi) {
   return bf16_pair(FromFloat<uint16_t>::convert(lo), FromFloat<uint16_t>::convert(hi));
 }
 
+// The matrix engine's element type for B of type T (bf16 travels as uint16_t bits), and two A
+// values as one 32-bit word of it, low first (the engine's pair-interleaved form).
+template <typename T>
+using EngineElem = std::conditional_t<std::is_same_v<T, sycl::half>, sycl::half, bf16>;
+template <typename T, typename TA>
+inline uint32_t engine_pair(TA lo, TA hi) {
+  if constexpr (std::is_same_v<T, sycl::half>) {
+    return uint32_t(sycl::bit_cast<uint16_t>(sycl::half(to_float(lo)))) |
+           (uint32_t(sycl::bit_cast<uint16_t>(sycl::half(to_float(hi)))) << 16);
+  } else {
+    return bf16_pair(lo, hi);
+  }
+}
+
 // Packs row tile `tile` of a row block (rows m0 .. m0 + valid - 1 of A's gathered rows) as
 // packed[r][t] = (a[t][2r], a[t][2r + 1]): lane t handles token t (rows past valid repeat the
 // last one; their outputs are not stored).
-template <int Toks, typename TA>
+template <int Toks, typename T, typename TA>
 inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
                              const void* gather_index, int gather_is64, int64_t m0, int64_t valid,
                              int64_t K, int lane, uint32_t* packed) {
   const int64_t m = m0 + (lane < valid ? lane : valid - 1);
   const TA* row = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
   for (int64_t r = 0; r < K / 2; ++r)
-    packed[r * Toks + lane] = bf16_pair(row[2 * r], row[2 * r + 1]);
+    packed[r * Toks + lane] = engine_pair<T>(row[2 * r], row[2 * r + 1]);
 }
 
 // The k loop of `Tiles` consecutive packed token tiles (x: the first; the next follows
 // K / 2 x Toks words later) against the unit's two weight tiles; stores accumulator (token tile
 // j, weight tile i) to stored + (2 j + i) * Rows * Toks as [weight row][token].
-template <typename Tile, int Tiles>
-inline void matrix_k_loop(const sycl::sub_group& sg, const bf16* const (&w_rows)[2], int64_t b_stride_n,
+template <typename Tile, int Tiles, typename E>
+inline void matrix_k_loop(const sycl::sub_group& sg, const E* const (&w_rows)[2], int64_t b_stride_n,
                           const uint32_t* x, int64_t K, float* stored) {
   constexpr int R = Tile::rows, Tk = Tile::toks, KS = Tile::k_step;
   jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, R, Tk> acc[Tiles][2];
   for (int j = 0; j < Tiles; ++j)
     for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(sg, acc[j][i], 0.0f);
   for (int64_t k = 0; k < K; k += KS) {
-    jm::joint_matrix<sycl::sub_group, bf16, jm::use::b, KS, Tk, jm::layout::ext_intel_packed> xb[Tiles];
+    jm::joint_matrix<sycl::sub_group, E, jm::use::b, KS, Tk, jm::layout::ext_intel_packed> xb[Tiles];
     for (int j = 0; j < Tiles; ++j)
-      jm::joint_matrix_load(sg, xb[j], global_ptr(reinterpret_cast<const bf16*>(x + j * (K / 2) * Tk) + k * Tk),
+      jm::joint_matrix_load(sg, xb[j], global_ptr(reinterpret_cast<const E*>(x + j * (K / 2) * Tk) + k * Tk),
                             2 * Tk);
     for (int i = 0; i < 2; ++i) {
-      jm::joint_matrix<sycl::sub_group, bf16, jm::use::a, R, KS, jm::layout::row_major> wa;
+      jm::joint_matrix<sycl::sub_group, E, jm::use::a, R, KS, jm::layout::row_major> wa;
       jm::joint_matrix_load(sg, wa, global_ptr(w_rows[i] + k), b_stride_n);
       for (int j = 0; j < Tiles; ++j) jm::joint_matrix_mad(sg, acc[j][i], wa, xb[j], acc[j][i]);
     }
@@ -975,16 +990,17 @@ inline void matrix_zero_rows(TOut* out, int64_t out_row_stride, int64_t out_rows
       }
 }
 
-template <typename TA, typename TOut, bool Gated, int Rows, int Toks, int KStep, int Lanes>
+template <typename TA, typename T, typename TOut, bool Gated, int Rows, int Toks, int KStep, int Lanes>
 MOE_XPU_KERNEL_WITH_LANES(Lanes)
 void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
-                     int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_n,
-                     const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
+                     int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_n,
+                     const T* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                      int64_t out_rows, const void* group_offsets, int offsets_is64,
                      int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
                      const void* scatter_index, int scatter_is64, const float* row_weight,
                      void* scratch) {
   using Tile = EngineTile<Rows, Toks, KStep, Lanes>;
+  using E = EngineElem<T>;
   const Worker w = this_worker();
   unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K, false);
   uint32_t* packed = reinterpret_cast<uint32_t*>(mine);  // [tok_tiles][K / 2][Toks]
@@ -1008,16 +1024,16 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
           return;
         }
         held.hold(g, row_begin, rows, m_first, m_last, [&](int64_t j, int64_t m0, int64_t valid) {
-          matrix_pack_rows<Toks>(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, w.lane,
+          matrix_pack_rows<Toks, T>(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, w.lane,
                                  packed + j * (K / 2) * Toks);
         }, Toks);
         // The two weight tiles: rows n0.. and n0 + Rows.. (gated: the up rows n0 + up_offset..).
         // A plain unit at the last Rows columns repeats its first tile and stores only that one.
         const bool second_stored = Gated || n0 + Rows < N;
-        const bf16* w_rows[2];
+        const E* w_rows[2];
         for (int i = 0; i < 2; ++i) {
           const int64_t n = Gated ? n0 + (i == 1 ? up_offset : 0) : n0 + (second_stored ? i * Rows : 0);
-          w_rows[i] = reinterpret_cast<const bf16*>(b + g * b_stride_e + n * b_stride_n);
+          w_rows[i] = reinterpret_cast<const E*>(b + g * b_stride_e + n * b_stride_n);
         }
         // Per column step: the weight tile and row behind this lane's output column, its bias
         // (gated: gate and up), and whether the column is stored.
@@ -1183,8 +1199,8 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
       const void*, int, const float*
 #define MOE_XPU_INSTANTIATE_K_LANES(TA, T, TOut, TM, TN, GATED, KCHUNK) \
   template void moe_xpu::moe_gemm_k_lanes<TA, T, TOut, TM, TN, GATED, KCHUNK>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut));
-#define MOE_XPU_INSTANTIATE_MATRIX(TA, TOut, GATED, ROWS, TOKS, KSTEP, LANES) \
-  template void moe_xpu::moe_gemm_matrix<TA, TOut, GATED, ROWS, TOKS, KSTEP, LANES>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
+#define MOE_XPU_INSTANTIATE_MATRIX(TA, T, TOut, GATED, ROWS, TOKS, KSTEP, LANES) \
+  template void moe_xpu::moe_gemm_matrix<TA, T, TOut, GATED, ROWS, TOKS, KSTEP, LANES>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);
 #define MOE_XPU_INSTANTIATE_MATRIX_KN(TA, TOut) \
   template void moe_xpu::moe_gemm_matrix_kn<TA, TOut>(MOE_XPU_KERNEL_PARAMS(TA, uint16_t, TOut), void*);
 #define MOE_XPU_INSTANTIATE_N_LANES(TA, T, TOut, TM, TN, KCHUNK) \
