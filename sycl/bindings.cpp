@@ -5,6 +5,7 @@
 
 #include "device_model.hpp"
 #include "launcher.hpp"
+#include "variants.hpp"
 
 namespace py = pybind11;
 using moe_xpu::DType;
@@ -108,6 +109,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("bundle_kernel_names", &moe_xpu::bundle_kernel_names, py::arg("queue"), py::arg("variants_for"),
         py::arg("dtype"), py::arg("out_dtype"));
   m.def("gpu_targets", &moe_xpu::gpu_targets);
+  // For tests of the GPU path without a GPU: which engine tiles a list of reported matrix
+  // combinations (tuples max_m, max_n, max_k, m, n, k, atype, btype, ctype) turns on.
+  m.def("shapes_from_combinations", [](const std::vector<std::tuple<std::size_t, std::size_t, std::size_t, std::size_t,
+                                                                    std::size_t, std::size_t, std::string, std::string,
+                                                                    std::string>>& combos,
+                                       const std::vector<std::size_t>& sub_group_sizes) {
+        std::vector<moe_xpu::MatrixCombination> list;
+        for (const auto& [mm, mn, mk, m_, n_, k_, a, b_, c] : combos)
+          list.push_back(moe_xpu::MatrixCombination{mm, mn, mk, m_, n_, k_, a, b_, c});
+        py::list out;
+        for (const auto& s : moe_xpu::shapes_from_combinations(list, moe_xpu::engine_tiles(), sub_group_sizes))
+          out.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size, s.fp16));
+        return out;
+      }, py::arg("combinations"), py::arg("sub_group_sizes"));
   m.def("gpu_description", [](const std::string& target) {
         const moe_xpu::DeviceDescription d = moe_xpu::gpu_description(target);
         py::list shapes;

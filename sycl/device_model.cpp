@@ -38,6 +38,38 @@ std::vector<DeviceDescription> all_gpus() {
 
 }  // namespace
 
+namespace {
+
+bool allows(std::size_t exact, std::size_t max, int want) {
+  return exact != 0 ? exact == std::size_t(want) : want > 0 && std::size_t(want) <= max;
+}
+
+bool combination_allows(const MatrixCombination& c, const MatrixShape& s, const std::string& input) {
+  return c.atype == input && c.btype == input && c.ctype == "fp32" && allows(c.msize, c.max_msize, s.m) &&
+         allows(c.nsize, c.max_nsize, s.n) && allows(c.ksize, c.max_ksize, s.k);
+}
+
+}  // namespace
+
+std::vector<MatrixShape> shapes_from_combinations(const std::vector<MatrixCombination>& combinations,
+                                                  const std::vector<MatrixShape>& candidates,
+                                                  const std::vector<std::size_t>& sub_group_sizes) {
+  std::vector<MatrixShape> shapes;
+  for (MatrixShape s : candidates) {
+    bool lanes = false, bf16 = false, fp16 = false;
+    for (std::size_t size : sub_group_sizes) lanes = lanes || size == std::size_t(s.sub_group_size);
+    for (const MatrixCombination& c : combinations) {
+      bf16 = bf16 || combination_allows(c, s, "bf16");
+      fp16 = fp16 || combination_allows(c, s, "fp16");
+    }
+    if (lanes && bf16) {
+      s.fp16 = fp16;
+      shapes.push_back(s);
+    }
+  }
+  return shapes;
+}
+
 std::vector<std::string> gpu_targets() {
   std::vector<std::string> names;
   for (const DeviceDescription& d : all_gpus()) names.push_back(d.name);

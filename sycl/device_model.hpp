@@ -35,6 +35,19 @@ struct DeviceDescription {
   }
 };
 
+// One entry of a device's sycl_ext_oneapi_matrix combinations, as the extension reports it (a
+// size of 0 means "any up to the max_ one"); element types by name ("bf16", "fp16", "fp32", ...).
+struct MatrixCombination {
+  std::size_t max_msize = 0, max_nsize = 0, max_ksize = 0, msize = 0, nsize = 0, ksize = 0;
+  std::string atype, btype, ctype;
+};
+// Which of the kernels' engine tiles (`candidates`) the combinations allow with bf16 inputs and
+// float accumulators; fp16 is set where fp16 inputs are allowed at the same shape too. A tile also
+// needs its sub-group size among the device's.
+std::vector<MatrixShape> shapes_from_combinations(const std::vector<MatrixCombination>& combinations,
+                                                  const std::vector<MatrixShape>& candidates,
+                                                  const std::vector<std::size_t>& sub_group_sizes);
+
 // The Intel GPU generations the kernels are compile-checked for, in ocloc's names.
 std::vector<std::string> gpu_targets();
 // The published figures of one of them (throws std::invalid_argument for another name).

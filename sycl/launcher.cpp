@@ -2,6 +2,7 @@
 
 #include <sycl/sycl.hpp>
 #include <sycl/backend/opencl.hpp>
+#include <sycl/ext/oneapi/matrix/matrix.hpp>
 
 #include <dlfcn.h>
 
@@ -105,9 +106,34 @@ bool cpu_amx_usable() {
   return usable;
 }
 
+// A GPU's XMX tiles, from the matrix combinations it reports (sycl_ext_oneapi_matrix).
+// MOE_XPU_MATRIX_ENGINE=0 turns them off.
+std::vector<MatrixShape> gpu_matrix_shapes(const sycl::device& dev, const std::vector<std::size_t>& sub_groups) {
+  const char* off = std::getenv("MOE_XPU_MATRIX_ENGINE");
+  if (off != nullptr && std::string(off) == "0") return {};
+  namespace mx = syclex::matrix;
+  auto type_name = [](mx::matrix_type t) -> std::string {
+    switch (t) {
+      case mx::matrix_type::bf16: return "bf16";
+      case mx::matrix_type::fp16: return "fp16";
+      case mx::matrix_type::fp32: return "fp32";
+      default: return "other";
+    }
+  };
+  std::vector<MatrixCombination> combinations;
+  try {
+    for (const auto& c : dev.get_info<syclex::info::device::matrix_combinations>())
+      combinations.push_back(MatrixCombination{c.max_msize, c.max_nsize, c.max_ksize, c.msize, c.nsize, c.ksize,
+                                               type_name(c.atype), type_name(c.btype), type_name(c.ctype)});
+  } catch (const sycl::exception&) {
+    return {};  // the device does not answer the query: no matrix engine
+  }
+  return shapes_from_combinations(combinations, engine_tiles(), sub_groups);
+}
+
 // The description of the device behind a queue, read once per device. The matrix engine: AMX on
-// the CPU device when usable; on GPUs none yet (no XMX kernel has been run on hardware; see
-// docs/gpu.md), so GPUs get the vector kernels.
+// the CPU device when usable (the CPU device reports no combinations); on a GPU the XMX tiles its
+// reported combinations allow (compiled and checked by gpu_check, not yet run on hardware).
 const DeviceDescription& describe(const sycl::queue& q) {
   static auto* cache = new std::unordered_map<std::size_t, DeviceDescription>();
   const sycl::device dev = q.get_device();
@@ -121,7 +147,8 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
   d.local_mem_size = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
-  if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16});
+  if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false});
+  if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
 }
 

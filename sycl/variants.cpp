@@ -188,6 +188,8 @@ std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
   return kUnitRows * K * 2 + (kn ? kn_packed + kn_partial : 0) + 4 * tile;
 }
 
+std::vector<MatrixShape> engine_tiles() { return {std::begin(kEngineTiles), std::end(kEngineTiles)}; }
+
 MatrixShape engine_tile(const DeviceDescription& d) {
   for (const MatrixShape& s : kEngineTiles)
     for (const MatrixShape& own : d.matrix_shapes)

@@ -36,6 +36,8 @@ struct Variant {
 
 Family family_of(bool k_lanes, bool gated);
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
+// The engine tiles the K-contiguous matrix kernel is written for (AMX, XMX on 16 and on 8 lanes).
+std::vector<MatrixShape> engine_tiles();
 // The engine tile the K-contiguous matrix kernel uses on device d (m == 0: none).
 MatrixShape engine_tile(const DeviceDescription& d);
 // The device has a matrix engine whose tile the matrix kernels are written for.

@@ -184,3 +184,22 @@ def test_gpu_xmx_variants_run_correctly_on_amx(C, target, gated):
         start = end
     expected = F.silu(ref[:, :half]) * ref[:, half:]
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_xmx_tiles_follow_the_reported_matrix_combinations(C):
+    """On a real GPU the launcher turns XMX on from what the device reports
+    (sycl_ext_oneapi_matrix combinations: exact sizes, or 0 and a maximum)."""
+    def combo(max_m, n, k, t, acc="fp32"):
+        return (max_m, 0, 0, 0, n, k, t, t, acc)
+
+    pvc = [combo(8, 16, 16, "bf16"), combo(8, 16, 16, "fp16"), combo(8, 16, 32, "sint8", "sint32")]
+    assert C.shapes_from_combinations(pvc, [16, 32]) == [(8, 16, 16, 16, True)]
+    dg2 = [combo(8, 8, 16, "bf16"), combo(8, 8, 16, "fp16")]
+    assert C.shapes_from_combinations(dg2, [8, 16, 32]) == [(8, 8, 16, 8, True)]
+    assert C.shapes_from_combinations(dg2, [16, 32]) == []  # no 8-lane sub-groups: no tile
+    assert C.shapes_from_combinations([combo(8, 16, 16, "bf16")], [16]) == [(8, 16, 16, 16, False)]
+    assert C.shapes_from_combinations([combo(4, 16, 16, "bf16")], [16]) == []  # 8 rows not allowed
+    assert C.shapes_from_combinations([combo(8, 16, 16, "bf16", "bf16")], [16]) == []  # no float acc
+    amx = [(0, 0, 0, 16, 16, 32, "bf16", "bf16", "fp32")]
+    assert C.shapes_from_combinations(amx, [16]) == [(16, 16, 32, 16, False)]
+    assert C.shapes_from_combinations([], [8, 16, 32]) == []
