@@ -320,17 +320,31 @@ def print_table(rows: list[Row]) -> None:
               f"{b.spill:>6} {b.slm:>7} {b.dpas:>5}  {status}")
 
 
-def summarize(rows: list[Row], targets: list[str]) -> None:
-    """One line per target: what the README's supported-device table reports."""
+GENERATIONS = {"pvc": "Xe-HPC (Data Center GPU Max)", "bmg": "Xe2 (Arc B-series)", "lnl": "Xe2 (Lunar Lake)",
+               "ptl": "Xe3 (Panther Lake)", "dg2": "Xe-HPG (Arc A-series)", "mtl": "Xe-LPG (Meteor Lake)"}
+
+
+def summarize(rows: list[Row], targets: list[str], markdown: bool) -> None:
+    """One line per target; with markdown, the rows of the README's Intel GPU table."""
+    if markdown:
+        print("| generation | ocloc target | compiled | kernels | SIMD | spills | SLM | XMX (DPAS) | executed on hardware |")
+        print("| --- | --- | --- | ---: | --- | ---: | ---: | --- | --- |")
     for t in targets:
         mine = [r for r in rows if r.target == t]
         if not mine:
             continue
-        simds = sorted({r.build.simd for r in mine})
+        simds = "/".join(map(str, sorted({r.build.simd for r in mine})))
         spills = max(r.build.spill for r in mine)
-        dpas = sum(r.build.dpas for r in mine)
-        print(f"{t}: {len(mine)} kernels compiled, SIMD {'/'.join(map(str, simds))}, max spill {spills} B, "
-              f"max SLM {max(r.build.slm for r in mine)} B, XMX (DPAS) {'used' if dpas else 'not used'}")
+        slm = max(r.build.slm for r in mine)
+        xmx = sorted({r.dtypes.split("->")[0] for r in mine if r.build.dpas})
+        ok = all(not r.problems for r in mine)
+        if markdown:
+            used = f"used: {', '.join(xmx)}" if xmx else "none"
+            print(f"| {GENERATIONS.get(t, t)} | `{t}` | {'yes' if ok else 'FAILED'} | {len(mine)} | {simds} | "
+                  f"{spills} B | {slm} B | {used} | no |")
+        else:
+            print(f"{t}: {len(mine)} kernels compiled, SIMD {simds}, max spill {spills} B, max SLM {slm} B, "
+                  f"XMX (DPAS) {'used for ' + ', '.join(xmx) if xmx else 'not used'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                         help="comma-separated ocloc device names (default: %(default)s)")
     parser.add_argument("--spirv-out", type=Path, help="also write the SPIR-V modules as DIR/<target>/*.spv")
+    parser.add_argument("--markdown", action="store_true", help="print the summary as the README's table rows")
     parser.add_argument("--compiler-dir", type=Path, default=None,
                         help=f"where the GPU compiler is unpacked (default: {default_compiler_dir()})")
     args = parser.parse_args(argv)
@@ -366,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(rows)
     print()
-    summarize(rows, targets)
+    summarize(rows, targets, args.markdown)
     bad_rows = sum(1 for r in rows if r.problems)
     not_built = len(failures) - sum(len(r.problems) for r in rows)  # compile errors, missing kernels
     print(f"gpu-check: {len(rows) - bad_rows} passed, {bad_rows + not_built} failed")

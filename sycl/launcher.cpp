@@ -4,9 +4,9 @@
 #include <sycl/backend/opencl.hpp>
 #include <sycl/ext/oneapi/matrix/matrix.hpp>
 
+#include <cpuid.h>
 #include <dlfcn.h>
 
-#include <cpuid.h>
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -71,10 +71,6 @@ bool cpu_has_amx_fp16() {
   return cpu_has_amx_bf16() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 21) & 1u);
 }
 
-// The OpenCL CPU compiler emits AMX instructions for joint_matrix only when told to target a CPU
-// that has them (CL_CONFIG_CPU_TARGET_ARCH, set by moe_xpu/_runtime.py before the runtime loads);
-// its default target has no matrix engine and aborts the process on joint_matrix code.
-// MOE_XPU_MATRIX_ENGINE=0 turns the matrix-engine kernels off.
 std::string cpu_target() {
   const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
   return arch != nullptr ? arch : "";
@@ -97,6 +93,10 @@ bool cpu_target_compiles_fp16_matrix() {
   return a == "graniterapids" || a == "graniterapids-d" || a == "diamondrapids";
 }
 
+// The OpenCL CPU compiler emits AMX instructions for joint_matrix only when told to target a CPU
+// that has them (CL_CONFIG_CPU_TARGET_ARCH, set by moe_xpu/_runtime.py before the runtime loads);
+// its default target has no matrix engine and aborts the process on joint_matrix code.
+// MOE_XPU_MATRIX_ENGINE=0 turns the matrix-engine kernels off.
 bool cpu_amx_usable() {
   static const bool usable = [] {
     const char* off = std::getenv("MOE_XPU_MATRIX_ENGINE");
