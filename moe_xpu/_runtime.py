@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from moe_xpu import isa
+
 
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -23,15 +25,7 @@ def _default_cache_dir() -> str:
 
 
 def _cpu_has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"amx_bf16", "amx_tile"} <= flags
-    except OSError:
-        pass
-    return False
+    return {"amx_bf16", "amx_tile"} <= isa.cpu_flags()
 
 
 def _opencl_cpu_runtime_loaded() -> bool:
@@ -103,8 +97,22 @@ def requested_backend() -> str:
     return value
 
 
+_cpu_backend_memo: tuple[str | None, str] | None = None  # (MOE_XPU_BACKEND as read, the answer)
+
+
 def cpu_backend() -> str:
-    """Backend for CPU tensors: "sycl" (kernels on the SYCL CPU device) or "torch" (fallback)."""
+    """Backend for CPU tensors: "sycl" (kernels on the SYCL CPU device) or "torch" (fallback).
+    Asked on every call, so the answer is kept until MOE_XPU_BACKEND changes."""
+    global _cpu_backend_memo
+    raw = os.environ.get("MOE_XPU_BACKEND")
+    if _cpu_backend_memo is not None and _cpu_backend_memo[0] == raw:
+        return _cpu_backend_memo[1]
+    answer = _choose_cpu_backend()
+    _cpu_backend_memo = (raw, answer)
+    return answer
+
+
+def _choose_cpu_backend() -> str:
     global _cpu_device
     requested = requested_backend()
     if requested == "torch":
@@ -120,6 +128,8 @@ def cpu_backend() -> str:
 
 def queue_address(device: torch.device) -> int:
     """Address of the sycl::queue to launch on: torch's current XPU stream, 0 for the CPU device."""
+    if device.type == "cpu":
+        return 0
     if device.type == "xpu":
         queue = torch.xpu.current_stream(device).sycl_queue
         if not isinstance(queue, int):  # older IPEX builds hand out a capsule

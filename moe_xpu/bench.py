@@ -1,4 +1,4 @@
-"""python -m moe_xpu.bench {gemm,moe,skew}: moe_xpu beside its peers, in one process, on the same inputs.
+"""python -m moe_xpu.bench {gemm,moe,skew,small}: moe_xpu beside its peers, in one process, on the same inputs.
 
 gemm: moe_gemm beside F.grouped_mm and a per-expert loop of torch.mm.
 moe:  fused_moe beside transformers' eager and grouped_mm experts backends (a MixtralExperts
@@ -6,6 +6,14 @@ moe:  fused_moe beside transformers' eager and grouped_mm experts backends (a Mi
       activation, moe_gemm, weighted sum).
 skew: moe_gemm and fused_moe with Zipf-skewed expert popularity beside uniform routing (same
       rows, same touched experts), timed round-robin: the zipf / uniform time ratio.
+small: the per-call cost at small shapes (warm cache, median of --repeats, default 300):
+      moe_gemm beside F.grouped_mm, with the host time beyond the kernel and the runtime's
+      floor (an empty kernel's launch); 64 rows per expert at K = 128 through an index table
+      (gathered in the kernel) beside index_select then moe_gemm or grouped_mm; fused_moe beside
+      transformers' backends on small layers (the demo model's among them).
+
+--isa avx2|avx512|native reruns the bench with moe_xpu and torch limited to one instruction set
+(see moe_xpu/isa.py): the peers and the compute ceiling are then measured under the same limit.
 
 For every case and dtype it prints the median time of moe_xpu.moe_gemm, F.grouped_mm and a
 per-expert loop of torch.mm, their GFLOP/s, moe_xpu's speed-up over each peer, and the share of
@@ -37,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_xpu
-from moe_xpu import _runtime
+from moe_xpu import _runtime, isa
 from moe_xpu.fused import weighted_slot_sum
 
 
@@ -355,6 +363,118 @@ def bench_skew(gemm_cases, moe_cases, dtypes, repeats: int, flush: Callable[[], 
             line("fused_moe", case.name, dtype, t, top, case.tokens * case.top_k)
 
 
+@dataclasses.dataclass(frozen=True)
+class SmallGemm:
+    tokens: int  # rows, each routed to one expert
+    experts: int
+    K: int
+    N: int
+
+    @property
+    def name(self) -> str:
+        return f"T{self.tokens} E{self.experts} K{self.K} N{self.N}"
+
+
+SMALL_GEMMS = [SmallGemm(8, 8, 128, 64), SmallGemm(64, 8, 128, 128), SmallGemm(8, 64, 512, 256),
+               SmallGemm(32, 8, 512, 256)]
+# The index-table case: 256 tokens, top-2 of 8 experts (64 rows an expert on average), K = N = 128.
+GATHER_CASE = dict(tokens=256, top_k=2, experts=8, K=128, N=128)
+# fused_moe layers: 4 tokens top-2 of 8 (H 512, I 256), and the demo model's (examples/hf_generate.py,
+# Qwen3-MoE: 32 experts, top-4, H 512, I 256) at decode (1 token) and at its 32-token prompt.
+SMALL_MOES = [MoeCase("T4 E8 k2", 4, 8, 2, 512, 256), MoeCase("demo decode", 1, 32, 4, 512, 256),
+              MoeCase("demo prefill", 32, 32, 4, 512, 256)]
+
+
+@dataclasses.dataclass
+class SmallRow:
+    case: str
+    impl: str
+    seconds: float
+    speedup: float  # peer time / moe_xpu time
+    host_us: float | None = None  # moe_gemm: host time beyond the kernel
+
+
+def _print_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
+    print(f"small shapes, float32, warm cache, median of {repeats} (speed-up = peer time / moe_xpu time); "
+          f"runtime floor (an empty kernel launched and waited for): {floor_us:.1f} us")
+    header = f"{'case':<22} {'impl':<24} {'median us':>10} {'moe_xpu speed-up':>17} {'host us beyond kernel':>22}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speed = "" if r.impl.startswith("moe_xpu") and r.speedup == 1.0 else f"{r.speedup:.2f}x"
+        host = "" if r.host_us is None else f"{r.host_us:.1f}"
+        print(f"{r.case:<22} {r.impl:<24} {r.seconds * 1e6:>10.1f} {speed:>17} {host:>22}")
+
+
+def bench_small(repeats: int, flush: Callable[[], None] | None = None) -> list[SmallRow]:
+    """Per-call cost at small shapes. The host time beyond the kernel of a moe_gemm call is its
+    time minus the kernel's: the launcher's own call on prepared arguments less the runtime's
+    floor (an empty kernel's launch and wait, itself host time)."""
+    from moe_xpu import ops
+
+    C = _runtime.sycl_module()
+    rows: list[SmallRow] = []
+    gen = torch.Generator().manual_seed(0)
+    floor = median_times({"empty": C.launch_empty}, repeats)["empty"]
+    for case in SMALL_GEMMS:
+        a = torch.randn(case.tokens, case.K, generator=gen)
+        b = torch.randn(case.experts, case.K, case.N, generator=gen)
+        ids = torch.randn(case.tokens, case.experts, generator=gen).argmax(1)
+        offsets = torch.bincount(ids, minlength=case.experts).cumsum(0).to(torch.int32)
+        out = torch.empty(case.tokens, case.N)
+        args = ops.gemm_args(a, b, offsets, None, None, out)
+        t = median_times({"moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
+                          "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
+                          "launcher": lambda: C.moe_gemm(args)}, repeats, flush)
+        kernel = max(t["launcher"] - floor, 0.0)
+        rows.append(SmallRow(case.name, "moe_xpu", t["moe_xpu"], 1.0, (t["moe_xpu"] - kernel) * 1e6))
+        rows.append(SmallRow(case.name, "grouped_mm", t["grouped_mm"], t["grouped_mm"] / t["moe_xpu"]))
+
+    c = GATHER_CASE
+    logits = torch.randn(c["tokens"], c["experts"], generator=gen)
+    s = moe_xpu.sort_tokens(logits.topk(c["top_k"], dim=1).indices, c["experts"])
+    x = torch.randn(c["tokens"], c["K"], generator=gen)
+    b = torch.randn(c["experts"], c["K"], c["N"], generator=gen)
+    name = f"64 rows/expert K{c['K']}"
+    t = median_times({
+        "moe_xpu gather in kernel": lambda: moe_xpu.moe_gemm(x, b, s.group_offsets, gather_index=s.gather_index),
+        "index_select + moe_xpu": lambda: moe_xpu.moe_gemm(x.index_select(0, s.gather_index), b, s.group_offsets),
+        "index_select + grouped_mm": lambda: F.grouped_mm(x.index_select(0, s.gather_index), b,
+                                                          offs=s.group_offsets),
+    }, repeats, flush)
+    ours = t["moe_xpu gather in kernel"]
+    rows += [SmallRow(name, impl, v, v / ours) for impl, v in t.items()]
+
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    for case in SMALL_MOES:
+        config = transformers.MixtralConfig(hidden_size=case.H, intermediate_size=case.I,
+                                            num_local_experts=case.experts, num_experts_per_tok=case.top_k)
+        experts = MixtralExperts(config)
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 0.02)
+            experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.02)
+        weights, ids = torch.randn(case.tokens, case.experts, generator=gen).softmax(-1).topk(case.top_k, dim=1)
+        x = torch.randn(case.tokens, case.H, generator=gen)
+
+        def hf(backend):
+            def run():
+                experts.config._experts_implementation = backend
+                return experts(x, ids, weights)
+            return run
+
+        with torch.no_grad():
+            t = median_times({"moe_xpu fused_moe": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj,
+                                                                             experts.down_proj, weights, ids),
+                              "HF eager": hf("eager"), "HF grouped_mm": hf("grouped_mm")}, repeats, flush)
+        ours = t["moe_xpu fused_moe"]
+        label = f"fused {case.name} H{case.H} I{case.I}"
+        rows += [SmallRow(label, impl, v, v / ours) for impl, v in t.items()]
+    _print_small(rows, floor * 1e6, repeats)
+    return rows
+
+
 def print_table(rows: list[Row], title: str) -> None:
     print(title)
     header = f"{'case':<11} {'dtype':<9} {'impl':<16} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
@@ -405,30 +525,46 @@ def machine_line() -> str:
     except OSError:
         pass
     backend = _runtime.cpu_backend()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, CPU backend {backend}"
+    return (f"{cpu}, {os.cpu_count()} cores, instruction set {isa.describe(isa.current())}, "
+            f"torch {torch.__version__}, CPU backend {backend}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_xpu.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew"])
+    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew", "small"])
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--cases", default="decode,prefill,64tok-E64,16tok-E8")
     parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
                         help="weights as nn.Linear [E, N, K] transposed (default) or contiguous [E, K, N]")
     parser.add_argument("--routing", choices=["uniform", "zipf"], default="uniform",
                         help="gemm: expert popularity; zipf keeps the rows and touched experts of uniform")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache", choices=["cold", "warm"], default="cold",
-                        help="cold (default): evict the caches before every timed call; warm: back to back")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per implementation "
+                        "(default 5; small: 300)")
+    parser.add_argument("--isa", choices=sorted(isa.LIMITS), help="limit moe_xpu and torch to one instruction "
+                        "set (reruns the bench in a new process; see moe_xpu/isa.py)")
+    parser.add_argument("--cache", choices=["cold", "warm"], default=None,
+                        help="cold (default; small: warm): evict the caches before every timed call; warm: "
+                        "back to back")
     parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
     args = parser.parse_args(argv)
+    if args.isa is not None:
+        code = isa.rerun_limited(args.isa, "moe_xpu.bench", sys.argv[1:] if argv is None else list(argv))
+        if code is not None:
+            return code
+    if args.repeats is None:
+        args.repeats = 300 if args.suite == "small" else 5
+    if args.cache is None:
+        args.cache = "warm" if args.suite == "small" else "cold"
 
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     wanted = args.cases.split(",")
     print(f"machine: {machine_line()}")
     flush = CacheFlush() if args.cache == "cold" else None
     print(f"cache: {args.cache} (see --help)")
+    if args.suite == "small":
+        bench_small(args.repeats, flush)
+        return 0
     if args.suite == "skew":
         bench_skew([c for c in GEMM_CASES if c.name in wanted], [c for c in MOE_CASES if c.name in wanted],
                    dtypes, args.repeats, flush)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_xpu import _runtime, torch_fallback
+from moe_xpu import _dispatch, _runtime, torch_fallback
 from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args, launch
 
 #: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
@@ -60,6 +60,15 @@ def _check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def _sort_tokens_impl(topk_ids: torch.Tensor, num_experts: int):
+    """gather_index, group_offsets, scatter_index of a routing whose ids were checked."""
+    C = _runtime.sycl_module()
+    if topk_ids.device.type == "cpu" and C is not None:  # one counting sort in host memory
+        return _sort_tokens_on_host(C, topk_ids, num_experts)
+    return _sort_tokens_torch(topk_ids, num_experts)
+
+
+def _sort_tokens_torch(topk_ids: torch.Tensor, num_experts: int):
+    """The sort in torch ops on the tensors' device (XPU: no host synchronisation)."""
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).to(torch.int64)
     keys = torch.where(flat == SENTINEL_EXPERT, num_experts, flat)  # sentinels sort last
@@ -70,11 +79,32 @@ def _sort_tokens_impl(topk_ids: torch.Tensor, num_experts: int):
     return order // k, group_offsets, order
 
 
+def _sort_tokens_on_host(C, topk_ids: torch.Tensor, num_experts: int):
+    """_sort_tokens_impl for CPU tensors, in the launcher (sycl/host_checks.cpp): the same result,
+    bit for bit, and it checks the ids as it counts them."""
+    ids = topk_ids.contiguous()
+    pairs = ids.numel()
+    gather_index = torch.empty(pairs, dtype=torch.int64)
+    group_offsets = torch.empty(num_experts, dtype=torch.int32)
+    scatter_index = torch.empty(pairs, dtype=torch.int64)
+    try:
+        C.sort_tokens_on_host(ids.data_ptr(), ids.dtype == torch.int64, pairs, max(ids.shape[1], 1), num_experts,
+                              gather_index.data_ptr(), group_offsets.data_ptr(), scatter_index.data_ptr())
+    except C.ArgumentError as error:
+        raise MoeXpuInputError(str(error)) from None
+    return gather_index, group_offsets, scatter_index
+
+
+def _sort_tokens_checked(topk_ids: torch.Tensor, num_experts: int):
+    _check_topk_ids(topk_ids, num_experts)
+    if topk_ids.device.type != "cpu" or _runtime.sycl_module() is None:
+        _check_topk_id_values(topk_ids, num_experts)  # the host sort checks them as it counts
+    return _sort_tokens_impl(topk_ids, num_experts)
+
+
 @torch.library.custom_op("moe_xpu::sort_tokens", mutates_args=())
 def _sort_tokens_op(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_topk_ids(topk_ids, num_experts)
-    _check_topk_id_values(topk_ids, num_experts)
-    return _sort_tokens_impl(topk_ids, num_experts)
+    return _sort_tokens_checked(topk_ids, num_experts)
 
 
 @_sort_tokens_op.register_fake
@@ -92,6 +122,8 @@ def sort_tokens(topk_ids: torch.Tensor, num_experts: int) -> SortedTokens:
     ``moe_gemm(hidden, w, group_offsets, gather_index=gather_index)`` computes every pair's expert
     GEMM, and row m of its result belongs at flat position ``scatter_index[m]`` of [T, k].
     Pairs with the sentinel id -1 (expert elsewhere) are sorted past ``group_offsets[-1]``."""
+    if _dispatch.direct_call_ok(topk_ids):
+        return SortedTokens(*_sort_tokens_checked(topk_ids, num_experts))
     return SortedTokens(*_sort_tokens_op(topk_ids, num_experts))
 
 
@@ -160,7 +192,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
     x = hidden_states if H <= 1 or hidden_states.stride(1) == 1 else hidden_states.contiguous()
-    gather_index, group_offsets, scatter_index = _sort_tokens_impl(topk_ids, E)  # ids checked by the caller
+    gather_index, group_offsets, scatter_index = _sort_tokens_impl(topk_ids, E)  # ids checked (on the CPU: by the sort)
     gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
     down_bias = None if down_bias is None else down_bias.contiguous()
 
@@ -174,6 +206,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
     args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
     args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
+    args.gather_matches_offsets = False  # slots of experts elsewhere sort past the last group
     launch(args, x)
 
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
@@ -200,16 +233,24 @@ def _fused_moe_op(
     raise NotImplementedError(f"moe_xpu.fused_moe has no implementation for device {hidden_states.device}")
 
 
+def _fused_moe_checked(*args):
+    """fused_moe on arguments whose metadata was checked."""
+    hidden_states, topk_ids, num_experts = args[0], args[4], args[1].shape[0]
+    if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
+        _check_topk_id_values(topk_ids, num_experts)
+        return torch_fallback.fused_moe(*args)
+    if _runtime.sycl_module() is None:
+        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
+    if hidden_states.device.type != "cpu":
+        _check_topk_id_values(topk_ids, num_experts)  # on the CPU the host sort checks them
+    return _fused_moe_sycl(*args)
+
+
 def _fused_moe_impl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
                     gate_up_bias=None, down_bias=None):
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
     check_fused_moe_metadata(*args)
-    _check_topk_id_values(topk_ids, gate_up_proj.shape[0])
-    if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
-        return torch_fallback.fused_moe(*args)
-    if _runtime.sycl_module() is None:
-        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
-    return _fused_moe_sycl(*args)
+    return _fused_moe_checked(*args)
 
 
 _fused_moe_op.register_kernel("cpu")(_fused_moe_impl)
@@ -243,7 +284,10 @@ def fused_moe(
     (+ biases when given). activation: "silu" or "gelu_tanh" (both gated). Output [T, H] in
     hidden_states' dtype. Ids equal to -1 (expert elsewhere) are skipped.
     """
-    check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
-                             activation, gate_up_bias, down_bias)
+    args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
+    check_fused_moe_metadata(*args)
+    if _dispatch.direct_call_ok(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_bias,
+                                down_bias):
+        return _fused_moe_checked(*args)
     return _fused_moe_op(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                          activation, gate_up_bias, down_bias)

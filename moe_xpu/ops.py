@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_xpu import _runtime, torch_fallback
+from moe_xpu import _dispatch, _runtime, torch_fallback
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -82,7 +82,8 @@ def check_moe_gemm_metadata(
 def _check_values_on_host(
     a: torch.Tensor, group_offsets: torch.Tensor, gather_index: torch.Tensor | None
 ) -> None:
-    """Value checks for CPU tensors, where reading them costs no device synchronisation."""
+    """Value checks for CPU tensors on the plain-PyTorch path (the SYCL launcher makes the same
+    checks in C++ before its kernel runs: sycl/host_checks.cpp)."""
     available = a.shape[0] if gather_index is None else gather_index.shape[0]
     if group_offsets.numel():
         if int(group_offsets[0]) < 0:
@@ -128,9 +129,15 @@ def _check_values_on_device(
         torch._assert_async(ok, "moe_xpu: gather_index values must lie in [0, rows of a)")
 
 
+_LAUNCHER_DTYPES: dict = {}
+
+
 def _launcher_dtype(dtype: torch.dtype):
     """The launcher's DType of the same name (float32, float16, bfloat16)."""
-    return getattr(_runtime.sycl_module().DType, str(dtype).removeprefix("torch."))
+    found = _LAUNCHER_DTYPES.get(dtype)
+    if found is None:
+        found = _LAUNCHER_DTYPES[dtype] = getattr(_runtime.sycl_module().DType, str(dtype).removeprefix("torch."))
+    return found
 
 
 def gemm_args(
@@ -143,36 +150,23 @@ def gemm_args(
 ):
     """Fills the launcher's argument struct. Inputs must already be in a kernel-ready layout
     (see ``kernel_ready``); the caller keeps the tensors alive until the launch completes."""
-    C = _runtime.sycl_module()
     E, K, N = b.shape
-    args = C.GemmArgs()
-    args.queue = _runtime.queue_address(a.device)
-    args.dtype = _launcher_dtype(b.dtype)
-    args.out_dtype = _launcher_dtype(out.dtype)
-    args.a = a.data_ptr()
-    args.a_row_stride = a.stride(0)
-    args.a_rows = a.shape[0]
-    args.a_dtype = _launcher_dtype(a.dtype)
+    stride_e, stride_k, stride_n = b.stride()
+    # Strides of size-1 dimensions carry no information: normalise them so the layout test
+    # (K contiguous or N contiguous) sees the truth.
+    stride_k = 1 if K <= 1 else stride_k
+    stride_n = 1 if (N <= 1 and stride_k != 1) else stride_n
+    args = _runtime.sycl_module().GemmArgs(
+        _runtime.queue_address(a.device), _launcher_dtype(b.dtype), _launcher_dtype(a.dtype),
+        _launcher_dtype(out.dtype), a.data_ptr(), a.stride(0), a.shape[0], b.data_ptr(), stride_e, stride_k,
+        stride_n, out.data_ptr(), out.stride(0), out.shape[0], group_offsets.data_ptr(),
+        group_offsets.dtype == torch.int64, E, K, N)
     if gather_index is not None:
         args.gather_index = gather_index.data_ptr()
         args.gather_is_int64 = gather_index.dtype == torch.int64
-    args.b = b.data_ptr()
-    args.b_stride_e = b.stride(0)
-    # Strides of size-1 dimensions carry no information: normalise them so the layout test
-    # (K contiguous or N contiguous) sees the truth.
-    args.b_stride_k = 1 if K <= 1 else b.stride(1)
-    args.b_stride_n = 1 if (N <= 1 and args.b_stride_k != 1) else b.stride(2)
     if bias is not None:
         args.bias = bias.data_ptr()
         args.bias_stride_e = bias.stride(0)
-    args.out = out.data_ptr()
-    args.out_row_stride = out.stride(0)
-    args.out_rows = out.shape[0]
-    args.group_offsets = group_offsets.data_ptr()
-    args.offsets_are_int64 = group_offsets.dtype == torch.int64
-    args.num_groups = E
-    args.K = K
-    args.N = N
     return args
 
 
@@ -185,7 +179,10 @@ def launch(args, a: torch.Tensor) -> None:
     if a.dtype != torch.float32 and C.plan_gemm(args).widen_a:
         a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
         args.a_dtype, args.a, args.a_row_stride = _launcher_dtype(a.dtype), a.data_ptr(), a.stride(0)
-    C.moe_gemm(args)
+    try:
+        C.moe_gemm(args)
+    except C.ArgumentError as error:  # a value check of the launcher (CPU device)
+        raise MoeXpuInputError(str(error)) from None
 
 
 def kernel_ready(a, b, group_offsets, gather_index, bias):
@@ -224,22 +221,35 @@ def _moe_gemm_op(
     raise NotImplementedError(f"moe_xpu.moe_gemm has no implementation for device {a.device}")
 
 
+def _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, out_dtype):
+    """CPU tensors, arguments' metadata checked (out_dtype resolved)."""
+    if _runtime.cpu_backend() == "torch":
+        _check_values_on_host(a, group_offsets, gather_index)
+        return torch_fallback.moe_gemm(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)  # values checked by the launcher
+
+
+def _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, out_dtype):
+    """XPU tensors, arguments' metadata checked (out_dtype resolved)."""
+    _check_values_on_device(a, group_offsets, gather_index)
+    if _runtime.sycl_module() is None:
+        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
+    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)
+
+
+_ON_DEVICE = {"cpu": _moe_gemm_on_cpu, "xpu": _moe_gemm_on_xpu}
+
+
 @_moe_gemm_op.register_kernel("cpu")
 def _moe_gemm_cpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
     out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
-    _check_values_on_host(a, group_offsets, gather_index)
-    if _runtime.cpu_backend() == "torch":
-        return torch_fallback.moe_gemm(a, b, group_offsets, gather_index, bias, out_dtype)
-    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, out_dtype)
 
 
 @_moe_gemm_op.register_kernel("xpu")
 def _moe_gemm_xpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
     out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
-    _check_values_on_device(a, group_offsets, gather_index)
-    if _runtime.sycl_module() is None:
-        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
-    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, out_dtype)
 
 
 @_moe_gemm_op.register_fake
@@ -270,5 +280,7 @@ def moe_gemm(
     through the index, no gathered copy of ``a`` is made. ``bias`` [E, N] is added per group.
     Accumulation is in float32; out_dtype is None (a.dtype) or torch.float32.
     """
-    check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    resolved = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    if _dispatch.direct_call_ok(a, b, group_offsets, gather_index, bias):
+        return _ON_DEVICE[a.device.type](a, b, group_offsets, gather_index, bias, resolved)
     return _moe_gemm_op(a, b, group_offsets, gather_index, bias, out_dtype)

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "device_model.hpp"
+#include "host_checks.hpp"
 #include "launcher.hpp"
 #include "variants.hpp"
 
@@ -13,14 +14,31 @@ using moe_xpu::GemmArgs;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe_xpu SYCL launcher";
+  py::register_exception<moe_xpu::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
 
   py::enum_<DType>(m, "DType")
       .value("float32", DType::float32)
       .value("float16", DType::float16)
       .value("bfloat16", DType::bfloat16);
 
+  // The positional constructor fills the fields every launch sets in one call (the op layer's
+  // per-call cost: one attribute set from Python costs about as much as this whole call).
   py::class_<GemmArgs>(m, "GemmArgs")
       .def(py::init<>())
+      .def(py::init([](std::uintptr_t queue, DType dtype, DType a_dtype, DType out_dtype, std::uintptr_t a,
+                       std::int64_t a_row_stride, std::int64_t a_rows, std::uintptr_t b, std::int64_t b_stride_e,
+                       std::int64_t b_stride_k, std::int64_t b_stride_n, std::uintptr_t out,
+                       std::int64_t out_row_stride, std::int64_t out_rows, std::uintptr_t group_offsets,
+                       bool offsets_are_int64, std::int64_t num_groups, std::int64_t K, std::int64_t N) {
+             GemmArgs g;
+             g.queue = queue, g.dtype = dtype, g.a_dtype = a_dtype, g.out_dtype = out_dtype;
+             g.a = a, g.a_row_stride = a_row_stride, g.a_rows = a_rows;
+             g.b = b, g.b_stride_e = b_stride_e, g.b_stride_k = b_stride_k, g.b_stride_n = b_stride_n;
+             g.out = out, g.out_row_stride = out_row_stride, g.out_rows = out_rows;
+             g.group_offsets = group_offsets, g.offsets_are_int64 = offsets_are_int64;
+             g.num_groups = num_groups, g.K = K, g.N = N;
+             return g;
+           }))
       .def_readwrite("queue", &GemmArgs::queue)
       .def_readwrite("dtype", &GemmArgs::dtype)
       .def_readwrite("a_dtype", &GemmArgs::a_dtype)
@@ -30,6 +48,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("a_rows", &GemmArgs::a_rows)
       .def_readwrite("gather_index", &GemmArgs::gather_index)
       .def_readwrite("gather_is_int64", &GemmArgs::gather_is_int64)
+      .def_readwrite("gather_matches_offsets", &GemmArgs::gather_matches_offsets)
       .def_readwrite("b", &GemmArgs::b)
       .def_readwrite("b_stride_e", &GemmArgs::b_stride_e)
       .def_readwrite("b_stride_k", &GemmArgs::b_stride_k)
@@ -86,6 +105,10 @@ PYBIND11_MODULE(_C, m) {
 
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
+  m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
+        py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),
+        py::arg("scatter_index"));
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
   m.def("plan_gemm_on_gpu", &moe_xpu::plan_gemm_on_gpu, py::arg("args"), py::arg("target"));
   m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false,

@@ -23,6 +23,9 @@ struct GemmArgs {
   std::int64_t a_rows = 0;  // rows of a (bounds gather_index)
   std::uintptr_t gather_index = 0;  // 0 = none
   bool gather_is_int64 = false;
+  // moe_gemm's contract: gather_index has exactly group_offsets[-1] entries. fused_moe's own
+  // launches relax it: routing slots of experts elsewhere sit past the last group (zero rows).
+  bool gather_matches_offsets = true;
   std::uintptr_t b = 0;
   std::int64_t b_stride_e = 0, b_stride_k = 0, b_stride_n = 0;
   std::uintptr_t bias = 0;  // 0 = none
@@ -104,6 +107,8 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, s
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);
 DeviceInfo device_info(std::uintptr_t queue);
+// Launches an empty kernel the way moe_gemm launches (the runtime's floor, for the bench).
+void launch_empty(std::uintptr_t queue = 0);
 bool cpu_device_available();
 // Builds (or loads from the persistent cache) every kernel of one dtype pair (B dtype, output
 // dtype; with both A dtypes); returns seconds.

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from moe_xpu.isa import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # OpenCL CPU targets, oldest first, with the CPU flags (/proc/cpuinfo) each needs to execute.
@@ -48,17 +50,6 @@ TEST_FILES = [
 
 # An odd worker count: share boundaries fall mid-group and mid-unit (the default is even).
 MATRIX_WORKERS = "7"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def host_targets(flags: set[str]) -> list[str]:

@@ -45,3 +45,27 @@ def test_cache_flush_buffer_exceeds_twice_the_last_level_cache():
     before = float(flush._buffer[0])
     flush()
     assert float(flush._buffer[-1]) == before + 1.0  # written end to end
+
+
+def test_small_suite_prints_every_case(capsys):
+    rows = bench.bench_small(repeats=2)
+    out = capsys.readouterr().out
+    assert "runtime floor" in out
+    cases = {r.case for r in rows}
+    assert {c.name for c in bench.SMALL_GEMMS} <= cases
+    assert any("fused demo decode" in c for c in cases)
+    for r in rows:
+        assert r.seconds > 0
+        if r.impl == "moe_xpu":  # every moe_gemm case reports its host time
+            assert r.host_us is not None and r.host_us > 0
+
+
+def test_isa_limit_applies_to_moe_xpu_and_torch(capfd):
+    from moe_xpu import isa
+
+    assert isa.host_classes()[-1] == "native"
+    for name in isa.host_classes()[:-1]:
+        assert isa.rerun_limited(name, "moe_xpu.isa", []) == 0
+        current, target, capability = capfd.readouterr().out.split()
+        assert current == name and target == isa.LIMITS[name]["CL_CONFIG_CPU_TARGET_ARCH"]
+        assert capability.lower() == isa.LIMITS[name]["ATEN_CPU_CAPABILITY"]

@@ -81,3 +81,39 @@ def test_info_command_reports_device_and_kernels():
     for expected in ("torch", "CPU backend", "compute units", "sub-groups", "kernel source", "kernel cache",
                      "float32 kernels ready"):
         assert expected in result.stdout, (expected, result.stdout)
+
+
+def test_eager_calls_take_the_op_whenever_torch_machinery_is_active():
+    """Plain eager calls skip the dispatcher; under a dispatch mode, a functorch transform,
+    with gradients to record, or while compiling, the call goes through the torch op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_xpu import _dispatch
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.randn(6, 4), torch.randn(2, 4, 3)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    assert _dispatch.direct_call_ok(a, b, offs, None)
+    with Log() as log:
+        out = moe_xpu.moe_gemm(a, b, offs)
+    assert "moe_xpu.moe_gemm.default" in log.ops
+    torch.testing.assert_close(out, moe_xpu.moe_gemm(a, b, offs), rtol=0, atol=0)
+    assert not _dispatch.direct_call_ok(a.clone().requires_grad_(), b, offs)
+    with torch.no_grad():
+        assert _dispatch.direct_call_ok(a.clone().requires_grad_(), b, offs)
+    assert torch.vmap(lambda x: torch.tensor(_dispatch.direct_call_ok(x)))(torch.randn(3)).logical_not().all()
+
+
+def test_gradient_request_is_refused_not_silently_wrong():
+    a = torch.randn(6, 4, requires_grad=True)
+    out = moe_xpu.moe_gemm(a, torch.randn(2, 4, 3), torch.tensor([2, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
