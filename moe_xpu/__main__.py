@@ -52,6 +52,14 @@ def info(warm_up: bool = False) -> None:
         target = os.environ.get("CL_CONFIG_CPU_TARGET_ARCH", "default")
         engine = "AMX via joint_matrix (bf16)" if d.matrix_engine else "none (vector kernels only)"
         print(f"  matrix engine  {engine}; OpenCL CPU target {target}")
+        t = C.device_description(0)
+
+        def shapes(tiles):
+            return ", ".join(f"{m}x{n}" for m, n in tiles)
+
+        print(f"  tuning         vector class {t['vector_class']} ({t['vector_width']} floats a register): "
+              f"K-split tiles {shapes(t['k_lanes_tiles'])}, N-split tiles {shapes(t['n_lanes_tiles'])} "
+              f"(rows x columns per lane group; decode shape first)")
     if C is not None:
         digest = hashlib.sha256(C.kernel_source().encode()).hexdigest()[:12]
         print(f"kernel source    sha256 {digest} ({len(C.kernel_source())} bytes, embedded)")

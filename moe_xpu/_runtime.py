@@ -65,6 +65,19 @@ def _prepare_environment() -> None:
             os.environ.setdefault("MOE_XPU_MATRIX_ENGINE", "0")
         else:
             os.environ["CL_CONFIG_CPU_TARGET_ARCH"] = "sapphirerapids"
+    _separate_cache_per_cpu_target()
+
+
+def _separate_cache_per_cpu_target() -> None:
+    """The runtime's persistent cache keys a device binary by device and intermediate code, not by
+    the OpenCL CPU compiler's target: a binary built for one target (skx) was handed to a process
+    compiling for another (core-avx2), which failed with UR_RESULT_ERROR_INVALID_BINARY. So each
+    target gets its own subdirectory of SYCL_CACHE_DIR."""
+    target = os.environ.get("CL_CONFIG_CPU_TARGET_ARCH") or "default"
+    base = os.path.normpath(os.environ["SYCL_CACHE_DIR"])
+    if os.path.basename(base).startswith("cpu-target-"):  # inherited from a process that imported moe_xpu
+        base = os.path.dirname(base)
+    os.environ["SYCL_CACHE_DIR"] = os.path.join(base, f"cpu-target-{target}")
 
 
 _prepare_environment()

@@ -12,6 +12,27 @@ namespace py = pybind11;
 using moe_xpu::DType;
 using moe_xpu::GemmArgs;
 
+namespace {
+
+// A device description and the tuning chosen from it, for `python -m moe_xpu info` and the tests.
+py::dict description_dict(const moe_xpu::DeviceDescription& d) {
+  using moe_xpu::Family;
+  py::list shapes;
+  for (const auto& s : d.matrix_shapes) shapes.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size));
+  auto tiles = [&](Family f) {
+    py::list out;
+    for (const auto& t : moe_xpu::family_tiles(f, d)) out.append(py::make_tuple(t.tile_m, t.tile_n));
+    return out;
+  };
+  return py::dict(py::arg("name") = d.name, py::arg("is_cpu") = d.is_cpu,
+                  py::arg("vector_class") = moe_xpu::cpu_vector_class(d), py::arg("vector_width") = d.vector_width,
+                  py::arg("sub_group_sizes") = d.sub_group_sizes, py::arg("local_mem_size") = d.local_mem_size,
+                  py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes,
+                  py::arg("k_lanes_tiles") = tiles(Family::k_lanes), py::arg("n_lanes_tiles") = tiles(Family::n_lanes));
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe_xpu SYCL launcher";
   py::register_exception<moe_xpu::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
@@ -146,13 +167,9 @@ PYBIND11_MODULE(_C, m) {
           out.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size, s.fp16));
         return out;
       }, py::arg("combinations"), py::arg("sub_group_sizes"));
-  m.def("gpu_description", [](const std::string& target) {
-        const moe_xpu::DeviceDescription d = moe_xpu::gpu_description(target);
-        py::list shapes;
-        for (const auto& s : d.matrix_shapes) shapes.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size));
-        return py::dict(py::arg("name") = d.name, py::arg("sub_group_sizes") = d.sub_group_sizes,
-                        py::arg("local_mem_size") = d.local_mem_size,
-                        py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes);
-      }, py::arg("target"));
+  m.def("gpu_description", [](const std::string& target) { return description_dict(moe_xpu::gpu_description(target)); },
+        py::arg("target"));
+  m.def("device_description", [](std::uintptr_t queue) { return description_dict(moe_xpu::device_description(queue)); },
+        py::arg("queue") = 0);
   m.def("kernel_source", &moe_xpu::kernel_source);
 }

@@ -26,6 +26,10 @@ struct DeviceDescription {
   std::vector<std::size_t> sub_group_sizes;
   std::int64_t local_mem_size = 0;  // work-group local memory (SLM) one work-group may use
   std::int64_t compute_units = 0;   // cores, or Xe cores
+  // CPU: floats per vector register of the code the OpenCL CPU compiler emits (16 AVX-512, 8
+  // AVX/AVX2, 4 SSE): what the CPU reports, capped by the compiler's target. The vector kernels'
+  // tile tables are chosen per class of it (cpu_vector_class in variants.hpp). GPUs: unused.
+  int vector_width = 16;
   std::vector<MatrixShape> matrix_shapes;  // matrix-engine tiles available to the kernels
 
   bool has_matrix_shape(int m, int n, int k) const {

@@ -132,6 +132,16 @@ std::vector<MatrixShape> gpu_matrix_shapes(const sycl::device& dev, const std::v
   return shapes_from_combinations(combinations, engine_tiles(), sub_groups);
 }
 
+// Floats per vector register of the code the OpenCL CPU compiler's target (CL_CONFIG_CPU_TARGET_ARCH)
+// emits; 0 for no target or one not listed (the CPU's own width then applies).
+int cpu_target_vector_width() {
+  const std::string a = cpu_target();
+  if (a.empty()) return 0;
+  if (a == "corei7") return 4;
+  if (a == "corei7-avx" || a == "core-avx2") return 8;
+  return 16;  // skx and every later Intel target named by the CPU runtime has AVX-512
+}
+
 // The description of the device behind a queue, read once per device. The matrix engine: AMX on
 // the CPU device when usable (the CPU device reports no combinations); on a GPU the XMX tiles its
 // reported combinations allow (compiled and checked by gpu_check, not yet run on hardware).
@@ -144,7 +154,12 @@ const DeviceDescription& describe(const sycl::queue& q) {
   if (found != cache->end()) return found->second;
   DeviceDescription d;
   d.is_cpu = dev.is_cpu();
-  d.name = d.is_cpu ? "cpu" : dev.get_info<sycl::info::device::name>();
+  if (d.is_cpu) {
+    d.vector_width = int(dev.get_info<sycl::info::device::native_vector_width_float>());
+    if (const int target = cpu_target_vector_width(); target > 0 && target < d.vector_width) d.vector_width = target;
+  }
+  d.name = d.is_cpu ? "cpu-" + cpu_vector_class(d) : dev.get_info<sycl::info::device::name>();
+  if (const char* tiles = std::getenv("MOE_XPU_CPU_TILES"); d.is_cpu && tiles != nullptr) d.name += std::string(":") + tiles;
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
   d.local_mem_size = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
@@ -263,11 +278,9 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
   auto found = bundles().find(key);
   if (found != bundles().end()) return *found->second;
 
-  // The CPU target is part of the source text, so the runtime's persistent cache never hands a
-  // binary built for one CPU target to another.
-  const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
-  std::string source = std::string("// moe_xpu: CPU target ") + (arch != nullptr ? arch : "default") +
-                       "\n" + kernel_source_text();
+  // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
+  // each target its own cache directory.)
+  std::string source = kernel_source_text();
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);
@@ -441,6 +454,8 @@ DeviceInfo device_info(std::uintptr_t queue) {
   info.matrix_engine = has_matrix_engine(describe(queue_for(queue)));
   return info;
 }
+
+const DeviceDescription& device_description(std::uintptr_t queue) { return describe(queue_for(queue)); }
 
 bool cpu_device_available() { return cpu_queue_or_null() != nullptr; }
 

@@ -107,6 +107,9 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, s
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);
 DeviceInfo device_info(std::uintptr_t queue);
+// The description the launcher chooses variants and tiles from, for the device of a queue.
+struct DeviceDescription;
+const DeviceDescription& device_description(std::uintptr_t queue);
 // Launches an empty kernel the way moe_gemm launches (the runtime's floor, for the bench).
 void launch_empty(std::uintptr_t queue = 0);
 bool cpu_device_available();

@@ -34,9 +34,66 @@ constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
 // tiles keep too many 64-bit column addresses live and spill (python -m moe_xpu.gpu_check: {1, 24} spilled 6-9 KB per thread on
 // pvc, dg2 and mtl; bf16 {2, 8} 1.2-1.3 KB on dg2 and mtl, which emulate 64-bit integer math).
 // The first shape of each list is the decode shape.
+// Those are the AVX-512 CPU's tiles. With narrower vectors a 16-lane sub-group vector takes two
+// (AVX2) or four (SSE) of the 16 registers, so the register tiles shrink with the class (see
+// kCpuTileTables). AVX2 (CL_CONFIG_CPU_TARGET_ARCH=core-avx2 on an AMD EPYC, bench cases, cold
+// cache, median of 3): K-split {3, 2} beyond decode, float32 prefill 238 -> 125-131 ms, 64tok
+// 98 -> 59-65 ms, bfloat16 prefill 187 -> 148 ms (of {3, 4}, {4, 2}, {2, 4}, {2, 2}, {5, 2}, {6, 2}
+// the fastest or within 5%); decode stays {1, 8} (bf16 8.6 ms, {1, 4} 10.5 ms). N-split {3, 2}:
+// [E, K, N] float32 prefill 280 -> 251 ms, 64tok 100 -> 83 ms, 16tok 52 -> 34 ms ({2, 4}: 237,
+// 111, 43 ms). The SSE table is sized by the same register count, not measured (no target CPU).
 constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTilesCpu[] = {{1, 128}, {2, 8}};
 constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
+
+// The CPU tile tables per vector class, widest first: decode and prefill shape of each family.
+struct CpuTileTable {
+  const char* name;
+  int vector_width;  // the narrowest width the table is for
+  TileShape k_lanes[2], n_lanes[2];
+};
+constexpr CpuTileTable kCpuTileTables[] = {
+    {"avx512", 16, {kKLanesTiles[0], kKLanesTiles[1]}, {kNLanesTilesCpu[0], kNLanesTilesCpu[1]}},
+    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {3, 2}}},
+    {"sse", 1, {{1, 4}, {2, 2}}, {{1, 128}, {2, 2}}},
+};
+
+// MOE_XPU_CPU_TILES="k=1x4,3x4;n=1x128,2x4" replaces the CPU table (tuning on a new CPU class;
+// the description's name carries it, so its bundles are built apart).
+const CpuTileTable* cpu_tiles_from_environment() {
+  static const CpuTileTable* table = []() -> const CpuTileTable* {
+    const char* v = std::getenv("MOE_XPU_CPU_TILES");
+    if (v == nullptr || *v == '\0') return nullptr;
+    auto* t = new CpuTileTable{"custom", 1, {}, {}};
+    int k = 0, n = 0;
+    std::string spec(v);
+    for (std::size_t pos = 0; pos < spec.size();) {
+      const std::size_t end = std::min(spec.find(';', pos), spec.size());
+      const std::string part = spec.substr(pos, end - pos);
+      pos = end + 1;
+      if (part.size() < 2 || part[1] != '=') throw std::invalid_argument("moe_xpu: MOE_XPU_CPU_TILES: bad part " + part);
+      int* count = part[0] == 'k' ? &k : &n;
+      TileShape* into = part[0] == 'k' ? t->k_lanes : t->n_lanes;
+      std::istringstream in(part.substr(2));
+      int m = 0, c = 0;
+      char x = 0, comma = 0;
+      while (*count < 2 && in >> m >> x >> c) {
+        into[(*count)++] = TileShape{m, c};
+        in >> comma;
+      }
+    }
+    if (k != 2 || n != 2) throw std::invalid_argument("moe_xpu: MOE_XPU_CPU_TILES needs two k and two n shapes");
+    return t;
+  }();
+  return table;
+}
+
+const CpuTileTable& cpu_tile_table(const DeviceDescription& d) {
+  if (const CpuTileTable* custom = cpu_tiles_from_environment()) return *custom;
+  for (const CpuTileTable& t : kCpuTileTables)
+    if (d.vector_width >= t.vector_width) return t;
+  return kCpuTileTables[std::size(kCpuTileTables) - 1];
+}
 
 // The matrix-engine tiles the K-contiguous matrix kernel is instantiated for, in order of
 // preference: AMX, then XMX on 16 lanes (Xe-HPC, Xe2, Xe3), then XMX on 8 lanes (Xe-HPG).
@@ -53,12 +110,16 @@ Family family_of(bool k_lanes, bool gated) {
   return !k_lanes ? Family::n_lanes : gated ? Family::k_lanes_gated : Family::k_lanes;
 }
 
+std::string cpu_vector_class(const DeviceDescription& d) { return d.is_cpu ? cpu_tile_table(d).name : "gpu"; }
+
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
   switch (f) {
     case Family::k_lanes:
-    case Family::k_lanes_gated: return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
+    case Family::k_lanes_gated:
+      if (d.is_cpu) return {std::begin(cpu_tile_table(d).k_lanes), std::end(cpu_tile_table(d).k_lanes)};
+      return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
     case Family::n_lanes:
-      if (d.is_cpu) return {std::begin(kNLanesTilesCpu), std::end(kNLanesTilesCpu)};
+      if (d.is_cpu) return {std::begin(cpu_tile_table(d).n_lanes), std::end(cpu_tile_table(d).n_lanes)};
       return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
     // 16 tokens x 2 engine tiles of 16 weight rows (gated: one gate and one up tile).
     // Engine-tile tokens x 2 weight tiles (gated: one gate and one up tile).

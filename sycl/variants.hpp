@@ -34,6 +34,10 @@ struct Variant {
   TileShape shape;
 };
 
+// The CPU vector class the vector kernels' tiles are tuned per ("avx512", "avx2", "sse"), from
+// the description's vector width; "gpu" for a GPU.
+std::string cpu_vector_class(const DeviceDescription& d);
+
 Family family_of(bool k_lanes, bool gated);
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
 // The engine tiles the K-contiguous matrix kernel is written for (AMX, XMX on 16 and on 8 lanes).

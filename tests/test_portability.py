@@ -128,3 +128,30 @@ def test_launch_on_a_queue_moe_xpu_did_not_create(C):
         flag_view[0] = 1
         queue.wait()
     assert_matches_reference(out, a, b, group_offsets, gather_index)
+
+
+@pytest.mark.parametrize("inherited", [None, "cpu-target-skx"])
+def test_each_cpu_target_gets_its_own_kernel_cache(tmp_path, inherited):
+    """The runtime's persistent cache does not key device binaries by the OpenCL CPU target (a
+    binary built for skx was handed to a core-avx2 process: UR_RESULT_ERROR_INVALID_BINARY), so
+    moe_xpu puts each target's binaries in a directory of its own, also when the variable was
+    inherited from a process that imported moe_xpu under another target."""
+    base = tmp_path if inherited is None else tmp_path / inherited
+    env = dict(os.environ, SYCL_CACHE_DIR=str(base), CL_CONFIG_CPU_TARGET_ARCH="core-avx2")
+    out = subprocess.run([sys.executable, "-c", "import os, moe_xpu; print(os.environ['SYCL_CACHE_DIR'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(tmp_path / "cpu-target-core-avx2")
+
+
+@pytest.mark.parametrize("target,vector_class", [("corei7", "sse"), ("core-avx2", "avx2"), ("skx", "avx512")])
+def test_tiles_follow_the_vector_class_of_the_cpu_target(target, vector_class):
+    """The tile tables are chosen per vector class: the CPU's width, capped by the compiler target."""
+    probe = ("from moe_xpu import _runtime; d = _runtime.sycl_module().device_description(0); "
+             "print(d['vector_class'], d['vector_width'], d['k_lanes_tiles'][1])")
+    env = dict(os.environ, CL_CONFIG_CPU_TARGET_ARCH=target)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    name, width, prefill_tile = out.stdout.split(maxsplit=2)
+    assert name == vector_class and int(width) == {"sse": 4, "avx2": 8, "avx512": 16}[vector_class]
+    if vector_class != "avx512":  # narrower registers, smaller register tile
+        rows, cols = eval(prefill_tile)
+        assert rows * cols < 24
