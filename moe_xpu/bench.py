@@ -394,6 +394,17 @@ class SmallRow:
     host_us: float | None = None  # moe_gemm: host time beyond the kernel
 
 
+def _markdown_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
+    print(f"\n**Small shapes**, float32, warm cache, median of {repeats}; runtime floor (an empty kernel "
+          f"launched and waited for) {floor_us:.1f} us\n")
+    print("| case | implementation | median us | moe_xpu speed-up | host us beyond the kernel |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for r in rows:
+        speed = "" if r.impl.startswith("moe_xpu") and r.speedup == 1.0 else f"{r.speedup:.2f}x"
+        host = "" if r.host_us is None else f"{r.host_us:.1f}"
+        print(f"| {r.case} | {r.impl} | {r.seconds * 1e6:.1f} | {speed} | {host} |")
+
+
 def _print_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
     print(f"small shapes, float32, warm cache, median of {repeats} (speed-up = peer time / moe_xpu time); "
           f"runtime floor (an empty kernel launched and waited for): {floor_us:.1f} us")
@@ -406,7 +417,7 @@ def _print_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
         print(f"{r.case:<22} {r.impl:<24} {r.seconds * 1e6:>10.1f} {speed:>17} {host:>22}")
 
 
-def bench_small(repeats: int, flush: Callable[[], None] | None = None) -> list[SmallRow]:
+def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown: bool = False) -> list[SmallRow]:
     """Per-call cost at small shapes. The host time beyond the kernel of a moe_gemm call is its
     time minus the kernel's: the launcher's own call on prepared arguments less the runtime's
     floor (an empty kernel's launch and wait, itself host time)."""
@@ -472,6 +483,8 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None) -> list[S
         label = f"fused {case.name} H{case.H} I{case.I}"
         rows += [SmallRow(label, impl, v, v / ours) for impl, v in t.items()]
     _print_small(rows, floor * 1e6, repeats)
+    if markdown:
+        _markdown_small(rows, floor * 1e6, repeats)
     return rows
 
 
@@ -484,6 +497,16 @@ def print_table(rows: list[Row], title: str) -> None:
         speed = "" if r.impl.startswith("moe_xpu") and r.speedup == 1.0 else f"{r.speedup:.2f}x"
         print(f"{r.case:<11} {r.dtype:<9} {r.impl:<16} {r.seconds * 1e3:>10.2f} {r.gflops:>8.1f} "
               f"{r.roofline_pct:>8.0f}% {speed:>17}")
+
+
+def print_markdown(rows: list[Row], title: str) -> None:
+    """The table as Markdown (the README's performance tables)."""
+    print(f"\n**{title}**\n")
+    print("| case | dtype | implementation | median ms | GFLOP/s | % of roofline | moe_xpu speed-up |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        speed = "" if r.impl.startswith("moe_xpu") and r.speedup == 1.0 else f"{r.speedup:.2f}x"
+        print(f"| {r.case} | {r.dtype} | {r.impl} | {r.seconds * 1e3:.2f} | {r.gflops:.1f} | {r.roofline_pct:.0f}% | {speed} |")
 
 
 def plot(rows: list[Row], path: str, title: str) -> None:
@@ -547,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cold (default; small: warm): evict the caches before every timed call; warm: "
                         "back to back")
     parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     args = parser.parse_args(argv)
     if args.isa is not None:
         code = isa.rerun_limited(args.isa, "moe_xpu.bench", sys.argv[1:] if argv is None else list(argv))
@@ -563,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     flush = CacheFlush() if args.cache == "cold" else None
     print(f"cache: {args.cache} (see --help)")
     if args.suite == "small":
-        bench_small(args.repeats, flush)
+        bench_small(args.repeats, flush, args.markdown)
         return 0
     if args.suite == "skew":
         bench_skew([c for c in GEMM_CASES if c.name in wanted], [c for c in MOE_CASES if c.name in wanted],
@@ -586,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         title = f"fused_moe vs peers, {args.cache} cache, median of {args.repeats}"
         speedup_of = "moe_xpu fused"
     print_table(rows, title + f" (speed-up = peer time / {speedup_of} time)")
+    if args.markdown:
+        print_markdown(rows, f"{title}: {machine_line()}; ceilings {ceilings.gflops:.0f} GFLOP/s, "
+                             f"{ceilings.read_gbs:.1f} GB/s")
     if args.plot:
         plot(rows, args.plot, f"{title}\n{machine_line()}")
     return 0

@@ -255,7 +255,9 @@ def test_bitwise_deterministic(dtype):
         assert torch.equal(moe_xpu.moe_gemm(a, b, offs, gather_index=gi), first)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The tensors' values come from a seed Hypothesis draws, so a failing example replays exactly (with
+# values from the global generator, a failure was reported as flaky: the replay drew new values).
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(
     T=st.integers(0, 70),
     E=st.integers(1, 20),
@@ -268,6 +270,7 @@ def test_bitwise_deterministic(dtype):
     data=st.data(),
 )
 def test_property_random_shapes_and_routings(T, E, K, N, dtype, layout, use_gather, use_bias, data):
+    torch.manual_seed(data.draw(st.integers(0, 2**32 - 1)))
     routed = data.draw(st.integers(0, T))
     cuts = sorted(data.draw(st.lists(st.integers(0, routed), min_size=E - 1, max_size=E - 1)))
     offs = torch.tensor(cuts + [routed], dtype=torch.int64)
