@@ -66,6 +66,7 @@ bench: setup
 	$(PY) -m moe_xpu.bench gemm --plot bench_out/gemm.png
 	$(PY) -m moe_xpu.bench moe --plot bench_out/moe.png
 	$(PY) -m moe_xpu.bench skew
+	$(PY) -m moe_xpu.bench small
 
 info: setup
 	$(PY) -m moe_xpu info
