@@ -289,5 +289,4 @@ def fused_moe(
     if _dispatch.direct_call_ok(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_bias,
                                 down_bias):
         return _fused_moe_checked(*args)
-    return _fused_moe_op(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
-                         activation, gate_up_bias, down_bias)
+    return _fused_moe_op(*args)

@@ -270,6 +270,17 @@ std::string kernel_source_text() {
   return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
+// SYCL source compiled by the runtime compiler for the queue's device (no device libraries:
+// the kernels need none, and loading them costs build time).
+sycl::kernel_bundle<sycl::bundle_state::executable> build_source(sycl::queue& q, const std::string& source,
+                                                                 const std::vector<std::string>& names,
+                                                                 std::string* log) {
+  auto src = syclex::create_kernel_bundle_from_source(q.get_context(), syclex::source_language::sycl, source);
+  return syclex::build(src, std::vector<sycl::device>{q.get_device()},
+                       syclex::properties{syclex::build_options{std::vector<std::string>{"-fno-sycl-device-lib=all"}},
+                                          syclex::save_log{log}, syclex::registered_names{names}});
+}
+
 // All variants of one (dtype, out_dtype) pair that the description d can pick are compiled in one
 // bundle: one compiler run, and the runtime's persistent cache makes later processes skip it.
 Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType out) {
@@ -293,13 +304,7 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
   std::string log;
   std::unique_ptr<Bundle> bundle;
   try {
-    auto src = syclex::create_kernel_bundle_from_source(q.get_context(),
-                                                        syclex::source_language::sycl, source);
-    auto exe = syclex::build(
-        src, std::vector<sycl::device>{dev},
-        syclex::properties{
-            syclex::build_options{std::vector<std::string>{"-fno-sycl-device-lib=all"}},
-            syclex::save_log{&log}, syclex::registered_names{names}});
+    auto exe = build_source(q, source, names, &log);
     bundle.reset(new Bundle{{}, exe});
     namespace kds = sycl::info::kernel_device_specific;
     for (std::size_t i = 0; i < names.size(); ++i) {
@@ -424,9 +429,8 @@ void launch_empty(std::uintptr_t queue) {
           "#include <sycl/sycl.hpp>\n"
           "extern \"C\" [[sycl::reqd_sub_group_size(16)]] SYCL_EXT_ONEAPI_FUNCTION_PROPERTY("
           "(sycl::ext::oneapi::experimental::nd_range_kernel<1>)) void moe_xpu_empty(int*) {}\n";
-      auto src = syclex::create_kernel_bundle_from_source(q.get_context(), syclex::source_language::sycl, source);
-      auto exe = syclex::build(src, std::vector<sycl::device>{q.get_device()},
-                               syclex::properties{syclex::build_options{std::vector<std::string>{"-fno-sycl-device-lib=all"}}});
+      std::string log;
+      auto exe = build_source(q, source, {"moe_xpu_empty"}, &log);
       found = kernels->emplace(key, exe.ext_oneapi_get_kernel("moe_xpu_empty")).first;
     }
     kernel = &found->second;
