@@ -414,7 +414,7 @@ def test_k_split_kernel_k_chunks(K, dtype, C):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,offset", [(2088, 0), (4100, 0), (77, 0), (2051, 0), (300, 1)])
+@pytest.mark.parametrize("N,offset", [(2088, 0), (4100, 0), (201, 0), (2051, 0), (300, 1)])
 @pytest.mark.parametrize("K", [1, 3, 130])
 def test_kn_decode_row_stream(dtype, N, offset, K, C):
     """[E, K, N] weights at one or two rows per group: on the CPU the N-split kernel's decode tile
@@ -442,6 +442,37 @@ def test_kn_decode_row_stream(dtype, N, offset, K, C):
         first = out if first is None else first
         assert torch.equal(out, first), "worker count must not change the result"
     assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [16, 48, 64, 80, 176, 200])
+@pytest.mark.parametrize("counts", [[8], [1, 0, 2, 1], [64, 3, 0]])
+def test_kn_last_tile_in_whole_vectors(dtype, N, counts, C):
+    """[E, K, N] weights whose last column tile is cut short: in whole 16-column vectors (N a
+    multiple of 16: vectors past N re-read the tile's first one and are never stored) or ragged
+    (N = 200, lanes clamped). Narrow N at one or two rows a group takes the register tile rather
+    than the streaming decode tile (wide tiles only pay on long B rows); K with a chunk
+    remainder; a tall single group (row blocks shortened so both workers get a unit); bias;
+    worker counts that cut the unit list anywhere."""
+    E, K = len(counts), 37
+    rows = sum(counts)
+    a = torch.randn(rows + 2, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, "kn")
+    bias = torch.randn(E, N, dtype=dtype)
+    offs = offsets(counts)
+    a_, b_, offs_, _, bias_ = ops.kernel_ready(a, b, offs, None, bias)
+    widest = C.tile_shapes(False)[-1][1] * 16
+    first = None
+    for workers in [0, 1, 3]:
+        out = torch.full((rows + 2, N), float("nan"), dtype=dtype)
+        args = ops.gemm_args(a_, b_, offs_, None, bias_, out)
+        args.engine, args.num_workers = 1, workers
+        if N <= widest:
+            assert C.plan_gemm(args).tile_n <= widest, "narrow N takes the register tile"
+        C.moe_gemm(args)
+        assert_matches_reference(out, a, b, offs, bias=bias)
+        first = out if first is None else first
+        assert torch.equal(out, first), "worker count must not change the result"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

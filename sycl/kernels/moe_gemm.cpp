@@ -674,12 +674,16 @@ struct NLanesUnitShape {
   int64_t row_tiles, col_tiles;
 };
 template <int TM, int KChunk>
-inline NLanesUnitShape n_lanes_unit_shape(int64_t out_rows, int64_t num_groups, int64_t tiles_n) {
+inline NLanesUnitShape n_lanes_unit_shape(int64_t out_rows, int64_t num_groups, int64_t tiles_n,
+                                          int64_t num_workers) {
   if constexpr (KChunk == 0) {
     return {kUnitRows / TM, 1};
   } else {
     const int64_t wanted = 3 * out_rows / (2 * (num_groups > 0 ? num_groups : 1));
-    const int64_t rows = wanted <= 16 ? 16 : wanted <= 32 ? 32 : 64;
+    int64_t rows = wanted <= 16 ? 16 : wanted <= 32 ? 32 : 64;
+    // A problem too small to give every worker a unit gets shorter row blocks (one expert of 64
+    // rows, K = 128, N = 64: one unit on one core otherwise).
+    if (rows > 16 && (out_rows + rows - 1) / rows * tiles_n < num_workers) rows = 16;
     const int64_t row_tiles = rows / TM;
     const int64_t most = kNLanesPartialTiles / row_tiles;
     const int64_t blocks = (tiles_n + most - 1) / most;
@@ -720,7 +724,7 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
     const Worker w = this_worker();
     const int64_t tile_n = int64_t(kLanes) * TN;
     const int64_t tiles_n = (N + tile_n - 1) / tile_n;
-    const NLanesUnitShape unit = n_lanes_unit_shape<TM, KChunk>(out_rows, num_groups, tiles_n);
+    const NLanesUnitShape unit = n_lanes_unit_shape<TM, KChunk>(out_rows, num_groups, tiles_n, w.count);
     const int64_t chunk = KChunk > 0 ? KChunk : (K > 0 ? K : 1);
     // Word reads of bf16 pairs: B rows 4-byte aligned (tile starts are even columns).
     constexpr bool kPairType = std::is_same_v<T, uint16_t> && TN % 2 == 0;
@@ -793,6 +797,23 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                     float bv[TN];
                     #pragma unroll
                     for (int j = 0; j < TN; ++j) bv[j] = to_float(b_k[kLanes * j]);
+                    fma_step(acc, a_row, k, bv);
+                  }
+                } else if ((N - n_tile * tile_n) % kLanes == 0) {
+                  // The last tile in whole vectors (N a multiple of 16): each vector past N reads
+                  // the tile's first one instead (never stored), so every read stays a consecutive
+                  // vector load. Clamping each lane's column turns them into gathers: N = 64 in
+                  // the 32-column-wide {2, 8} tile measured 3-5x slower.
+                  const T* b_lane = b_g + n_tile * tile_n + w.lane;
+                  const int64_t cols = N - n_tile * tile_n;
+                  int64_t offset[TN];
+                  #pragma unroll
+                  for (int j = 0; j < TN; ++j) offset[j] = int64_t(kLanes) * j < cols ? int64_t(kLanes) * j : 0;
+                  for (int64_t k = k_begin; k < k_end; ++k) {
+                    const T* b_k = b_lane + k * b_stride_k;
+                    float bv[TN];
+                    #pragma unroll
+                    for (int j = 0; j < TN; ++j) bv[j] = to_float(b_k[offset[j]]);
                     fma_step(acc, a_row, k, bv);
                   }
                 } else {
