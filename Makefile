@@ -25,7 +25,7 @@ $(VENV)/.deps: requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-$(STAMP): $(VENV)/.deps setup.py CMakeLists.txt $(wildcard sycl/*.cpp sycl/*.hpp sycl/kernels/*.cpp)
+$(STAMP): $(VENV)/.deps setup.py CMakeLists.txt $(wildcard sycl/*.cpp sycl/*.hpp sycl/kernels/*.cpp sycl/kernels/*.hpp)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 

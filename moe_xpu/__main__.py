@@ -61,8 +61,10 @@ def info(warm_up: bool = False) -> None:
               f"K-split tiles {shapes(t['k_lanes_tiles'])}, N-split tiles {shapes(t['n_lanes_tiles'])} "
               f"(rows x columns per lane group; decode shape first)")
     if C is not None:
-        digest = hashlib.sha256(C.kernel_source().encode()).hexdigest()[:12]
-        print(f"kernel source    sha256 {digest} ({len(C.kernel_source())} bytes, embedded)")
+        files = C.kernel_files()
+        digest = hashlib.sha256("".join(text for _, text in files).encode()).hexdigest()[:12]
+        print(f"kernel source    sha256 {digest} ({', '.join(name for name, _ in files)}: "
+              f"{sum(len(text) for _, text in files)} bytes, embedded)")
     print(f"kernel cache     {_runtime.cache_dir()} (persistent: {_persistent()})")
     if warm_up and C is not None and C.cpu_device_available():
         # Compiles the kernels, or loads them from the persistent cache when they are there.

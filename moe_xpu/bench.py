@@ -224,8 +224,17 @@ def gemm_inputs(case: GemmCase, dtype: torch.dtype, gen: torch.Generator, layout
     return a, torch.randn(case.experts, case.K, case.N, generator=gen).to(dtype)
 
 
+def forward_backward(gemm, a, b, offsets, grad_out):
+    """One training step's GEMM work: the forward and the gradients of a and b."""
+    a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+    return torch.autograd.grad(gemm(a, b, offsets), [a, b], grad_out)
+
+
 def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, routing: str,
-               flush: Callable[[], None] | None = None) -> list[Row]:
+               flush: Callable[[], None] | None = None, backward: bool = False) -> list[Row]:
+    """moe_gemm beside its peers; with backward, the forward plus dA and dB (three GEMMs' FLOPs;
+    bytes: the weights read twice and their gradient written, the activations and the incoming
+    gradient read twice, dA written)."""
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
     for case in cases:
@@ -237,12 +246,23 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, rou
             esize = a.element_size()
             flops = 2 * case.rows * case.K * case.N
             bytes_read = touched * case.K * case.N * esize + case.rows * case.K * esize
+            if backward:
+                flops *= 3
+                bytes_read = ((2 * touched + case.experts) * case.K * case.N + 3 * case.rows * case.K
+                              + 2 * case.rows * case.N) * esize
+                grad_out = torch.randn(case.rows, case.N, generator=gen).to(dtype)
+                impls = {
+                    "moe_xpu": lambda: forward_backward(moe_xpu.moe_gemm, a, b, offsets, grad_out),
+                    "grouped_mm": lambda: forward_backward(lambda x, w, o: F.grouped_mm(x, w, offs=o), a, b,
+                                                           offsets, grad_out),
+                }
+            else:
+                impls = {
+                    "moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
+                    "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
+                    "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
+                }
             roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
-            impls = {
-                "moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
-                "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
-                "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
-            }
             times = median_times(impls, repeats, flush)
             for name, t in times.items():
                 rows.append(
@@ -571,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                         "back to back")
     parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    parser.add_argument("--backward", action="store_true", help="gemm: time the forward plus the gradients "
+                        "of a and b (training)")
     args = parser.parse_args(argv)
     if args.isa is not None:
         code = isa.rerun_limited(args.isa, "moe_xpu.bench", sys.argv[1:] if argv is None else list(argv))
@@ -601,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
                          torch.ones(1, dtype=torch.int32))
     if args.suite == "gemm":
         rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats,
-                          args.layout, args.routing, flush)
-        title = (f"moe_gemm vs peers, weights {args.layout}, {args.routing} routing, {args.cache} cache, "
+                          args.layout, args.routing, flush, args.backward)
+        title = (f"moe_gemm{' forward + backward' if args.backward else ''} vs peers, weights {args.layout}, "
+                 f"{args.routing} routing, {args.cache} cache, "
                  f"median of {args.repeats}")
         speedup_of = "moe_xpu"
     else:

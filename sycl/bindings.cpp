@@ -95,6 +95,31 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("engine", &GemmArgs::engine)
       .def_readwrite("variants_for", &GemmArgs::variants_for);
 
+  py::class_<moe_xpu::WgradArgs>(m, "WgradArgs")
+      .def(py::init<>())
+      .def_readwrite("queue", &moe_xpu::WgradArgs::queue)
+      .def_readwrite("dtype", &moe_xpu::WgradArgs::dtype)
+      .def_readwrite("out_dtype", &moe_xpu::WgradArgs::out_dtype)
+      .def_readwrite("a", &moe_xpu::WgradArgs::a)
+      .def_readwrite("a_row_stride", &moe_xpu::WgradArgs::a_row_stride)
+      .def_readwrite("a_rows", &moe_xpu::WgradArgs::a_rows)
+      .def_readwrite("gather_index", &moe_xpu::WgradArgs::gather_index)
+      .def_readwrite("gather_is_int64", &moe_xpu::WgradArgs::gather_is_int64)
+      .def_readwrite("dy", &moe_xpu::WgradArgs::dy)
+      .def_readwrite("dy_row_stride", &moe_xpu::WgradArgs::dy_row_stride)
+      .def_readwrite("dy_rows", &moe_xpu::WgradArgs::dy_rows)
+      .def_readwrite("group_offsets", &moe_xpu::WgradArgs::group_offsets)
+      .def_readwrite("offsets_are_int64", &moe_xpu::WgradArgs::offsets_are_int64)
+      .def_readwrite("num_groups", &moe_xpu::WgradArgs::num_groups)
+      .def_readwrite("K", &moe_xpu::WgradArgs::K)
+      .def_readwrite("N", &moe_xpu::WgradArgs::N)
+      .def_readwrite("out", &moe_xpu::WgradArgs::out)
+      .def_readwrite("out_stride_e", &moe_xpu::WgradArgs::out_stride_e)
+      .def_readwrite("out_stride_k", &moe_xpu::WgradArgs::out_stride_k)
+      .def_readwrite("out_stride_n", &moe_xpu::WgradArgs::out_stride_n)
+      .def_readwrite("num_workers", &moe_xpu::WgradArgs::num_workers)
+      .def_readwrite("variants_for", &moe_xpu::WgradArgs::variants_for);
+
   py::class_<moe_xpu::LaunchPlan>(m, "LaunchPlan")
       .def_readonly("kernel_name", &moe_xpu::LaunchPlan::kernel_name)
       .def_readonly("tile_m", &moe_xpu::LaunchPlan::tile_m)
@@ -130,7 +155,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
         py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),
         py::arg("scatter_index"));
+  m.def("moe_gemm_wgrad", &moe_xpu::moe_gemm_wgrad, py::arg("args"), py::call_guard<py::gil_scoped_release>());
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
+  m.def("plan_wgrad", &moe_xpu::plan_wgrad, py::arg("args"));
   m.def("plan_gemm_on_gpu", &moe_xpu::plan_gemm_on_gpu, py::arg("args"), py::arg("target"));
   m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false,
         py::arg("queue") = 0, py::arg("variants_for") = "");
@@ -172,4 +199,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_description", [](std::uintptr_t queue) { return description_dict(moe_xpu::device_description(queue)); },
         py::arg("queue") = 0);
   m.def("kernel_source", &moe_xpu::kernel_source);
+  m.def("kernel_files", &moe_xpu::kernel_files);
 }

@@ -68,6 +68,30 @@ struct DeviceInfo {
   bool matrix_engine = false;  // the bf16 matrix-engine kernels run on this device
 };
 
+// Everything one weight-gradient launch needs: dB[g] = A[rows of g]^T @ dY[rows of g] for every
+// group g (rows [group_offsets[g-1], group_offsets[g]) of dY, paired with A rows through
+// gather_index when given). dB is written through its three strides, so it can take the layout of
+// the weights it is the gradient of.
+struct WgradArgs {
+  std::uintptr_t queue = 0;          // as in GemmArgs
+  DType dtype = DType::float32;      // of A and dY
+  DType out_dtype = DType::float32;  // of dB
+  std::uintptr_t a = 0;
+  std::int64_t a_row_stride = 0, a_rows = 0;
+  std::uintptr_t gather_index = 0;  // 0 = none
+  bool gather_is_int64 = false;
+  std::uintptr_t dy = 0;
+  std::int64_t dy_row_stride = 0, dy_rows = 0;
+  std::uintptr_t group_offsets = 0;
+  bool offsets_are_int64 = false;
+  std::int64_t num_groups = 0;
+  std::int64_t K = 0, N = 0;
+  std::uintptr_t out = 0;
+  std::int64_t out_stride_e = 0, out_stride_k = 0, out_stride_n = 0;
+  std::int64_t num_workers = 0;  // 0 = chosen by the heuristic
+  std::string variants_for;      // as in GemmArgs
+};
+
 // The launch configuration chosen for a problem (exposed for tests, the bench and `info`).
 struct LaunchPlan {
   std::string kernel_name;
@@ -95,6 +119,7 @@ struct KernelReport {
 };
 
 LaunchPlan plan_gemm(const GemmArgs& args);
+LaunchPlan plan_wgrad(const WgradArgs& args);
 // The plan the launcher makes on a GPU generation (pvc, bmg, lnl, ptl, dg2, mtl), from its
 // description alone: what gpu_check compiles, evaluated on any host.
 LaunchPlan plan_gemm_on_gpu(const GemmArgs& args, const std::string& target);
@@ -106,6 +131,8 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, s
 // Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);
+// Launches the weight-gradient kernel (same queue semantics as moe_gemm).
+void moe_gemm_wgrad(const WgradArgs& args);
 DeviceInfo device_info(std::uintptr_t queue);
 // The description the launcher chooses variants and tiles from, for the device of a queue.
 struct DeviceDescription;
@@ -127,5 +154,7 @@ std::vector<std::string> bundle_kernel_names(std::uintptr_t queue, const std::st
 // "" for the CPU device), built on the SYCL CPU device: what Intel's GPU compiler takes.
 std::vector<std::string> spirv_modules(const std::string& variants_for, DType dtype, DType out_dtype);
 const char* kernel_source();
+// Every embedded kernel file (name, text): the shared header and one file per kernel family.
+std::vector<std::pair<std::string, std::string>> kernel_files();
 
 }  // namespace moe_xpu

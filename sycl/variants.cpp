@@ -126,6 +126,9 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
     case Family::matrix:
     case Family::matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_kn: return {TileShape{16, 2}};
+    // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
+    // register, 8 where AVX2 needs two (and on GPUs, whose register file the forward tiles size).
+    case Family::wgrad: return {d.is_cpu && d.vector_width >= 16 ? TileShape{4, 4} : TileShape{4, 2}};
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -179,7 +182,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
       return k_chunk(f, d, s) > 0 ? kNLanesPartialTiles * floats_per_tile * 4 : 0;
     case Family::matrix:
     case Family::matrix_gated:
-    case Family::matrix_kn: return 0;
+    case Family::matrix_kn:
+    case Family::wgrad: return 0;
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -189,6 +193,10 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
   std::ostringstream args;
   if (f == Family::matrix_kn) {
     args << type_name(a) << ", " << type_name(out);
+    return args.str();
+  }
+  if (f == Family::wgrad) {
+    args << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
     return args.str();
   }
   if (f == Family::matrix || f == Family::matrix_gated) {
@@ -214,6 +222,7 @@ std::string kernel_base(Family f) {
     case Family::matrix:
     case Family::matrix_gated: return "matrix";
     case Family::matrix_kn: return "matrix_kn";
+    case Family::wgrad: return "wgrad";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -233,7 +242,7 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 // as one broadcast scalar per row and k step; float A measured no faster there.)
 // The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
 bool has_float_a_variant(Family f, DType t) {
-  return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn;
+  return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -278,7 +287,7 @@ int sub_group_size(const Variant& v, const DeviceDescription& d) {
 }
 
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
-  std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes};
+  std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
   if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
   std::vector<Variant> variants;
@@ -395,6 +404,31 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   workers = std::max<std::int64_t>(1, std::min(workers, max_units));
   workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
   plan.num_workers = workers;
+  return plan;
+}
+
+LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
+  const TileShape shape = family_tiles(Family::wgrad, d)[0];
+  LaunchPlan plan;
+  plan.kernel_name = family_kernel_name(Family::wgrad, args.dtype, args.dtype, args.out_dtype, shape, d);
+  plan.tile_m = shape.tile_m;
+  plan.tile_n = shape.tile_n * int(kSubGroupSize);
+  plan.sub_group_size = int(kSubGroupSize);
+  // As the forward kernels: one sub-group per work-group and 16 workers per core on the CPU (a
+  // tiny problem one per ~4 MFLOP, at least one per core), 4 sub-groups per work-group on GPUs.
+  const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
+  std::int64_t workers = std::int64_t(d.compute_units) * (d.is_cpu ? 16 : 32);
+  if (d.is_cpu) {
+    const double flops = 2.0 * double(args.dy_rows) * double(args.K) * double(args.N);
+    workers = std::min(workers, std::max<std::int64_t>(d.compute_units, static_cast<std::int64_t>(flops / 4.0e6) + 1));
+  }
+  if (args.num_workers > 0) workers = args.num_workers;
+  else if (const std::int64_t forced = workers_from_environment(); forced > 0) workers = forced;
+  const std::int64_t units = args.num_groups * ((args.K + plan.tile_m - 1) / plan.tile_m) *
+                             ((args.N + plan.tile_n - 1) / plan.tile_n);
+  workers = std::max<std::int64_t>(1, std::min(workers, units));
+  plan.num_workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
+  plan.work_group_size = subgroups_per_wg * kSubGroupSize;
   return plan;
 }
 

@@ -17,9 +17,9 @@ namespace moe_xpu {
 constexpr std::uint32_t kSubGroupSize = 16;
 
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
-// is gated; bf16 runs on the matrix engine where there is one (see has_matrix_engine and
+// is gated (wgrad: the weight gradient, moe_gemm_wgrad.cpp); bf16 runs on the matrix engine where there is one (see has_matrix_engine and
 // plan_for), with one matrix kernel per B layout.
-enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn };
+enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).
@@ -60,5 +60,6 @@ std::int64_t local_memory_bytes(const Variant& v, const DeviceDescription& d);
 // Bytes of one worker's scratch area in the matrix kernels.
 std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn);
 LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d);
+LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d);
 
 }  // namespace moe_xpu

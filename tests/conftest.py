@@ -16,3 +16,12 @@ def C():
     if module is None:
         pytest.skip("SYCL launcher not built")
     return module
+
+
+@pytest.fixture(params=["sycl", "torch"])
+def backend(request, monkeypatch):
+    """Runs a test on both CPU backends: the SYCL CPU device and the plain-PyTorch fallback."""
+    monkeypatch.setenv("MOE_XPU_BACKEND", request.param)
+    if request.param == "sycl" and _runtime.sycl_module() is None:
+        pytest.skip("SYCL launcher not built")
+    return request.param

@@ -41,6 +41,7 @@ TARGETS = {
 # do not depend on the code-generation target and run once, in the default-target suite.
 TEST_FILES = [
     "tests/test_moe_gemm.py",
+    "tests/test_moe_gemm_backward.py",
     "tests/test_fused_moe.py",
     "tests/test_matrix_engine.py",
     "tests/test_transformers_integration.py",

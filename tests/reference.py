@@ -77,3 +77,20 @@ def fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, topk_ids, acti
                 y = y + down_bias[e].double()
             out[t] += float(topk_weights[t, j]) * y
     return out
+
+
+def moe_gemm_grad_reference(a, b, group_offsets, grad_out, gather_index=None):
+    """Gradients of sum(moe_gemm(a, b, group_offsets, gather_index, bias) * grad_out) in float64,
+    in closed form group by group: (da, db, dbias)."""
+    a64, b64, dy = a.double(), b.double(), grad_out.double()
+    da = torch.zeros_like(a64)
+    db = torch.zeros_like(b64)
+    dbias = torch.zeros(b.shape[0], b.shape[2], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(group_offsets.tolist()):
+        rows = torch.arange(start, end) if gather_index is None else gather_index[start:end].long()
+        da.index_add_(0, rows, dy[start:end] @ b64[g].t())
+        db[g] = a64[rows].t() @ dy[start:end]
+        dbias[g] = dy[start:end].sum(0)
+        start = end
+    return da, db, dbias

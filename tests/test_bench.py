@@ -69,3 +69,15 @@ def test_isa_limit_applies_to_moe_xpu_and_torch(capfd):
         current, target, capability = capfd.readouterr().out.split()
         assert current == name and target == isa.LIMITS[name]["CL_CONFIG_CPU_TARGET_ARCH"]
         assert capability.lower() == isa.LIMITS[name]["ATEN_CPU_CAPABILITY"]
+
+
+def test_gemm_backward_counts_three_gemms():
+    """--backward times the forward plus both gradients beside grouped_mm's, with three GEMMs'
+    FLOPs (a tiny case so the test stays fast)."""
+    case = bench.GemmCase("tiny", 8, 2, 4, 64, 48)
+    ceilings = bench.Ceilings(gflops=1.0, read_gbs=1.0)
+    fwd = bench.bench_gemm([case], [torch.float32], ceilings, 2, "linear", "uniform")
+    both = bench.bench_gemm([case], [torch.float32], ceilings, 2, "linear", "uniform", backward=True)
+    assert {r.impl for r in both} == {"moe_xpu", "grouped_mm"}
+    ours = {r.impl: r for r in fwd}["moe_xpu"], {r.impl: r for r in both}["moe_xpu"]
+    assert abs(ours[1].gflops * ours[1].seconds - 3 * ours[0].gflops * ours[0].seconds) < 1e-9

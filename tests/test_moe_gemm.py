@@ -12,12 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_xpu
-from moe_xpu import _runtime, ops
+from moe_xpu import ops
 from reference import assert_matches_reference, moe_gemm_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LAYOUTS = ["kn", "linear"]  # contiguous [E, K, N]; nn.Linear weights [E, N, K] transposed
-BACKENDS = ["sycl", "torch"]
 
 
 def make_b(E, K, N, dtype, layout):
@@ -51,14 +50,6 @@ def route(kind, E, T):
         counts[-1] = T // 2
         return counts
     raise ValueError(kind)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("MOE_XPU_BACKEND", request.param)
-    if request.param == "sycl" and _runtime.sycl_module() is None:
-        pytest.skip("SYCL launcher not built")
-    return request.param
 
 
 SHAPES_KN = [(1, 1), (3, 257), (127, 3), (257, 127)]

@@ -1,0 +1,145 @@
+"""Backward of ``moe_gemm``: its autograd formula and the weight-gradient op it uses.
+
+For out[m] = a[row(m)] @ b[g] + bias[g] (row(m) = gather_index[m] with an index table, else m):
+  - dA: the same grouped GEMM with the weights read transposed in place (``b.transpose(1, 2)``);
+    through an index table its rows go back to token rows in a fixed order (no atomics);
+  - dB[g] = A[rows of g]^T @ dOut[rows of g]: ``moe_xpu::moe_gemm_wgrad``, one launch of the
+    weight-gradient kernel (sycl/kernels/moe_gemm_wgrad.cpp), written in b's own layout;
+  - dbias[g]: the sum of dOut over g's rows, the same kernel with a column of ones as A.
+Every sum runs in a fixed order, so the same inputs give bitwise the same gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_xpu import _runtime
+from moe_xpu.ops import SUPPORTED_DTYPES, MoeXpuInputError, _launcher_dtype, _moe_gemm_op, moe_gemm
+
+
+def _check_wgrad_metadata(a, grad_out, group_offsets, gather_index) -> None:
+    if a.dim() != 2 or grad_out.dim() != 2 or group_offsets.dim() != 1:
+        raise MoeXpuInputError("moe_gemm_wgrad: a and grad_out must be 2-D and group_offsets 1-D")
+    if a.dtype not in SUPPORTED_DTYPES or grad_out.dtype != a.dtype:
+        raise MoeXpuInputError(f"moe_gemm_wgrad: a and grad_out must share a float dtype, got {a.dtype} and "
+                               f"{grad_out.dtype}")
+    if gather_index is not None and gather_index.shape[0] != grad_out.shape[0]:
+        raise MoeXpuInputError("moe_gemm_wgrad: gather_index must have one entry per row of grad_out")
+    if gather_index is None and a.shape[0] != grad_out.shape[0]:
+        raise MoeXpuInputError("moe_gemm_wgrad: without gather_index, a and grad_out must have the same rows")
+
+
+def _empty_weight_grad(a, grad_out, group_offsets, k_contiguous: bool) -> torch.Tensor:
+    """[E, K, N] in the layout of the weights it is the gradient of: K contiguous (nn.Linear
+    weights seen through ``.transpose(1, 2)``) or N contiguous."""
+    E, K, N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
+    strides = (N * K, 1, K) if k_contiguous else (K * N, N, 1)
+    return torch.empty_strided((E, K, N), strides, dtype=a.dtype, device=a.device)
+
+
+def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
+    if a.shape[1] > 1 and a.stride(1) != 1:
+        a = a.contiguous()
+    if grad_out.shape[1] > 1 and grad_out.stride(1) != 1:
+        grad_out = grad_out.contiguous()
+    group_offsets = group_offsets.contiguous()
+    out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
+    C = _runtime.sycl_module()
+    w = C.WgradArgs()
+    w.queue = _runtime.queue_address(a.device)
+    w.dtype = w.out_dtype = _launcher_dtype(a.dtype)
+    w.a, w.a_row_stride, w.a_rows = a.data_ptr(), a.stride(0), a.shape[0]
+    if gather_index is not None:
+        gather_index = gather_index.contiguous()
+        w.gather_index, w.gather_is_int64 = gather_index.data_ptr(), gather_index.dtype == torch.int64
+    w.dy, w.dy_row_stride, w.dy_rows = grad_out.data_ptr(), grad_out.stride(0), grad_out.shape[0]
+    w.group_offsets, w.offsets_are_int64 = group_offsets.data_ptr(), group_offsets.dtype == torch.int64
+    w.num_groups, w.K, w.N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
+    w.out = out.data_ptr()
+    w.out_stride_e, w.out_stride_k, w.out_stride_n = out.stride()
+    C.moe_gemm_wgrad(w)
+    return out
+
+
+def _wgrad_torch(a, grad_out, group_offsets, gather_index, k_contiguous):
+    """Plain PyTorch (MOE_XPU_BACKEND=torch, or no SYCL runtime): a loop over the groups."""
+    out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
+    start = 0
+    for g, end in enumerate(group_offsets.tolist()):
+        end = max(start, min(end, grad_out.shape[0]))
+        src = a[start:end] if gather_index is None else a[gather_index[start:end]]
+        out[g] = (src.float().t() @ grad_out[start:end].float()).to(out.dtype)
+        start = end
+    return out
+
+
+@torch.library.custom_op("moe_xpu::moe_gemm_wgrad", mutates_args=())
+def _moe_gemm_wgrad_op(a: torch.Tensor, grad_out: torch.Tensor, group_offsets: torch.Tensor,
+                       gather_index: torch.Tensor | None, k_contiguous: bool) -> torch.Tensor:
+    """dB [E, K, N] of moe_gemm: for each group g, a[rows of g]^T @ grad_out[rows of g]."""
+    _check_wgrad_metadata(a, grad_out, group_offsets, gather_index)
+    if a.device.type == "cpu" and _runtime.cpu_backend() == "torch":
+        return _wgrad_torch(a, grad_out, group_offsets, gather_index, k_contiguous)
+    if _runtime.sycl_module() is None:
+        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
+    return _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous)
+
+
+@_moe_gemm_wgrad_op.register_fake
+def _moe_gemm_wgrad_fake(a, grad_out, group_offsets, gather_index, k_contiguous):
+    _check_wgrad_metadata(a, grad_out, group_offsets, gather_index)
+    return _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
+
+
+@torch.library.custom_op("moe_xpu::sum_rows_by_token", mutates_args=())
+def sum_rows_by_token(rows: torch.Tensor, index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """out[t] = the sum of rows[i] over the i with index[i] == t, in ascending i: each row gets
+    the slot given by its rank among its token's rows, then each token's slots are summed. A fixed
+    order on every device (no floating-point atomics). Reads the largest count per token on the
+    host (free for CPU tensors; one synchronisation on XPU), hence an op of its own: graphs see
+    only its output shape."""
+    index = index.to(torch.int64)
+    if index.numel() == 0:
+        return rows.new_zeros(num_tokens, rows.shape[1])
+    counts = torch.bincount(index, minlength=num_tokens)
+    width = int(counts.max())
+    order = torch.argsort(index, stable=True)
+    token = index[order]
+    rank = torch.arange(index.numel(), device=index.device) - (counts.cumsum(0) - counts)[token]
+    slots = rows.new_zeros(num_tokens * width, rows.shape[1])
+    slots[token * width + rank] = rows[order]
+    return slots.view(num_tokens, width, rows.shape[1]).sum(1)
+
+
+@sum_rows_by_token.register_fake
+def _sum_rows_by_token_fake(rows, index, num_tokens):
+    return rows.new_empty(num_tokens, rows.shape[1])
+
+
+def _k_contiguous(b: torch.Tensor) -> bool:
+    return b.shape[1] > 1 and b.stride(1) == 1
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a, b, group_offsets, gather_index, bias, out_dtype = inputs
+    ctx.save_for_backward(a, b, group_offsets, gather_index)
+    ctx.k_contiguous = _k_contiguous(b)
+    ctx.bias_needs_grad = bias is not None and bias.requires_grad
+
+
+def _backward(ctx, grad):
+    a, b, group_offsets, gather_index = ctx.saved_tensors
+    grad = grad.to(a.dtype)  # out_dtype float32 of 16-bit inputs: gradients in the inputs' dtype
+    grad_a = grad_b = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        rows = moe_gemm(grad, b.transpose(1, 2), group_offsets)
+        grad_a = rows if gather_index is None else sum_rows_by_token(rows, gather_index, a.shape[0])
+    if ctx.needs_input_grad[1]:
+        grad_b = _moe_gemm_wgrad_op(a, grad, group_offsets, gather_index, ctx.k_contiguous)
+    if ctx.bias_needs_grad:
+        ones = grad.new_ones(grad.shape[0], 1)
+        grad_bias = _moe_gemm_wgrad_op(ones, grad, group_offsets, None, False).squeeze(1)
+    return grad_a, grad_b, None, None, grad_bias, None
+
+
+_moe_gemm_op.register_autograd(_backward, setup_context=_setup_context)
