@@ -433,11 +433,19 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size;
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
+  // The kernel's lanes store along its N: a dB contiguous along K is computed as dB^T = dY^T A
+  // (operands, sizes and strides swapped; the index table then applies to its second operand).
+  const bool transposed = args.out_stride_n != 1 && args.out_stride_k == 1;
+  const WgradArgs& x = args;
   sycl::event done = q.submit([&](sycl::handler& h) {
-    h.set_args(ptr(args.a), args.a_row_stride, args.a_rows, ptr(args.gather_index), int(args.gather_is_int64),
-               ptr(args.dy), args.dy_row_stride, args.dy_rows, ptr(args.group_offsets),
-               int(args.offsets_are_int64), args.num_groups, args.K, args.N, ptr(args.out), args.out_stride_e,
-               args.out_stride_k, args.out_stride_n);
+    if (transposed)
+      h.set_args(ptr(x.dy), x.dy_row_stride, x.dy_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.a),
+                 x.a_row_stride, x.a_rows, ptr(x.group_offsets), int(x.offsets_are_int64), x.num_groups, x.N, x.K,
+                 ptr(x.out), x.out_stride_e, x.out_stride_n, x.out_stride_k, int(x.gather_index != 0));
+    else
+      h.set_args(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.dy),
+                 x.dy_row_stride, x.dy_rows, ptr(x.group_offsets), int(x.offsets_are_int64), x.num_groups, x.K, x.N,
+                 ptr(x.out), x.out_stride_e, x.out_stride_k, x.out_stride_n, 0);
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
   if (args.queue == 0) done.wait_and_throw();

@@ -139,10 +139,12 @@ def _wgrad_args(C, a, dy, offs, gather, out):
 
 @pytest.mark.parametrize("variants_for", ["", "pvc", "dg2"])
 @pytest.mark.parametrize("N", [16, 48, 64, 77, 130])
-def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N):
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N, layout):
     """The weight-gradient kernel alone: one group holding almost every row (skew), empty groups,
     K and N cut mid-tile (whole-vector and ragged last column tiles), worker counts that cut the
-    unit list anywhere, the GPU generations' tiles run on the CPU device: all bitwise equal."""
+    unit list anywhere, the GPU generations' tiles run on the CPU device: all bitwise equal. dB
+    contiguous along K ("linear") is computed transposed, the index table on the second operand."""
     counts = [0, 200, 0, 3, 1]
     E, K, M = len(counts), 41, sum(counts)
     a = torch.randn(M + 5, K)
@@ -152,7 +154,7 @@ def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N):
     _, want, _ = moe_gemm_grad_reference(a, torch.zeros(E, K, N), offs, dy, gather)
     first = None
     for workers in [0, 1, 3, 7, 100]:
-        out = torch.full((E, K, N), float("nan"))
+        out = torch.full((E, K, N), float("nan")) if layout == "kn" else torch.full((E, N, K), float("nan")).transpose(1, 2)
         w = _wgrad_args(C, a, dy, offs, gather, out)
         w.num_workers, w.variants_for = workers, variants_for
         C.moe_gemm_wgrad(w)

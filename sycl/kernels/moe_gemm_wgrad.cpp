@@ -12,6 +12,10 @@
 // (rows + 1) each (the rows' FMAs plus the tile's store), and each worker runs the units that
 // start in its equal share of the total, so one group holding every row still spreads over all
 // workers. Offsets are read on the device and clamped like the forward kernels'.
+//
+// The lanes store along dB's N. For dB contiguous along K (nn.Linear weights seen through
+// .transpose(1, 2)) the launcher computes dB^T = dY^T A instead, the operands swapped, so the
+// stores stay consecutive; the index table then applies to the second operand (gather_dy).
 #include "common.hpp"
 
 namespace moe_xpu {
@@ -22,14 +26,15 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
                     int gather_is64, const T* dy, int64_t dy_row_stride, int64_t dy_rows,
                     const void* group_offsets, int offsets_is64, int64_t num_groups, int64_t K,
                     int64_t N, TOut* out, int64_t out_stride_e, int64_t out_stride_k,
-                    int64_t out_stride_n) {
+                    int64_t out_stride_n, int gather_dy) {
   const Worker w = this_worker();
   const int64_t tile_n = int64_t(kLanes) * TN;
   const int64_t tiles_n = (N + tile_n - 1) / tile_n;
   const int64_t tiles_k = (K + TK - 1) / TK;
   const int64_t tiles = tiles_k * tiles_n;
+  const int64_t walked_rows = gather_dy ? a_rows : dy_rows;  // the operand read row by row
   int64_t total = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, dy_rows, 1, 1,
+  for_each_group(group_offsets, offsets_is64, num_groups, walked_rows, 1, 1,
                  [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
                    if (g < num_groups) total += tiles * (row_end - row_begin + 1);
                    return true;
@@ -37,7 +42,7 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
   const int64_t first = total * w.id / w.count;
   const int64_t last = total * (w.id + 1) / w.count;
   int64_t base = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, dy_rows, 1, 1,
+  for_each_group(group_offsets, offsets_is64, num_groups, walked_rows, 1, 1,
                  [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
     if (g == num_groups || base >= last) return false;
     const int64_t unit = row_end - row_begin + 1;
@@ -66,8 +71,9 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
         #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
       for (int64_t m = row_begin; m < row_end; ++m) {
-        const T* a_row = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
-        const T* dy_row = dy + m * dy_row_stride;
+        const int64_t source = gather_dy ? source_row(gather_index, gather_is64, m, dy_rows) : 0;
+        const T* a_row = a + (gather_dy ? m : source_row(gather_index, gather_is64, m, a_rows)) * a_row_stride;
+        const T* dy_row = dy + (gather_dy ? source : m) * dy_row_stride;
         float dv[TN];
         if (full || whole_vectors) {
           const T* dy_lane = dy_row + n0 + w.lane;
@@ -102,4 +108,4 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
 #define MOE_XPU_INSTANTIATE_WGRAD(T, TOut, TK, TN)                                                     \
   template void moe_xpu::moe_gemm_wgrad<T, TOut, TK, TN>(                                             \
       const T*, int64_t, int64_t, const void*, int, const T*, int64_t, int64_t, const void*, int, int64_t, \
-      int64_t, int64_t, TOut*, int64_t, int64_t, int64_t);
+      int64_t, int64_t, TOut*, int64_t, int64_t, int64_t, int);
