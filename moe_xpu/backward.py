@@ -1,4 +1,5 @@
-"""Backward of ``moe_gemm``: its autograd formula and the weight-gradient op it uses.
+"""Backward of ``moe_gemm`` and ``fused_moe``: their autograd formulas and the weight-gradient
+op they use.
 
 For out[m] = a[row(m)] @ b[g] + bias[g] (row(m) = gather_index[m] with an index table, else m):
   - dA: the same grouped GEMM with the weights read transposed in place (``b.transpose(1, 2)``);
@@ -143,3 +144,124 @@ def _backward(ctx, grad):
 
 
 _moe_gemm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# fused_moe's backward. Nothing beyond the inputs is saved: the backward recomputes the first
+# GEMM (gate/up pre-activations) and, when topk_weights need a gradient, the second (each
+# expert's output row before weighting). That costs those forward GEMMs again (the backward runs
+# 2 to 3 forward-sized GEMMs plus 4 gradient GEMMs) and saves the [T*k, 2I] and [T*k, H] float32
+# activations per layer that saving them would keep alive from the forward to the backward.
+
+
+def _activation_and_slope(activation: str, gate: torch.Tensor):
+    """act(gate) and d act / d gate, float32, in closed form (silu; gelu with the tanh
+    approximation, as transformers' gelu_pytorch_tanh)."""
+    if activation == "silu":
+        s = torch.sigmoid(gate)
+        return gate * s, s * (1 + gate * (1 - s))
+    c, a3 = 0.7978845608028654, 0.044715
+    t = torch.tanh(c * (gate + a3 * gate ** 3))
+    return 0.5 * gate * (1 + t), 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * a3 * gate * gate)
+
+
+def _fused_setup_context(ctx, inputs, output) -> None:
+    x, gate_up, down, weights, ids, activation, gate_up_bias, down_bias = inputs
+    ctx.save_for_backward(x, gate_up, down, weights, ids, gate_up_bias, down_bias)
+    ctx.activation = activation
+    ctx.wants = [t is not None and t.requires_grad for t in (x, gate_up, down, weights)]
+    ctx.wants += [gate_up_bias is not None and gate_up_bias.requires_grad,
+                  down_bias is not None and down_bias.requires_grad]
+
+
+def _slots_to_tokens(rows: torch.Tensor, positions: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """[M, H] expert-ordered rows to [T, H]: each row at its (token, slot) place, then the slot
+    sum in slot order (sentinel slots stay zero)."""
+    per_slot = rows.new_zeros(T * k, rows.shape[1])
+    per_slot[positions] = rows  # a permutation: no collisions
+    return per_slot.view(T, k, rows.shape[1]).sum(1)
+
+
+@torch.library.custom_op("moe_xpu::fused_moe_backward", mutates_args=())
+def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                           weights: torch.Tensor, ids: torch.Tensor, activation: str,
+                           gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                           wants: list[bool]) -> list[torch.Tensor]:
+    """The gradients of fused_moe that `wants` asks for (hidden_states, gate_up_proj, down_proj,
+    topk_weights, gate_up_bias, down_bias; an empty tensor for the others). An op of its own: it
+    reads how many routing pairs have an expert here (group_offsets[-1]), which graphs cannot."""
+    from moe_xpu.fused import sort_tokens
+
+    want_x, want_gate_up, want_down, want_weights, want_gate_up_bias, want_down_bias = wants
+    dtype, (T, H), (E, I2), k = x.dtype, x.shape, gate_up.shape[:2], ids.shape[1]
+    I = I2 // 2
+    s = sort_tokens(ids, E)
+    # Pairs of experts elsewhere (id -1) sort past the last group: moe_gemm's index table covers
+    # the first group_offsets[-1] pairs (one host read on XPU).
+    M = int(s.group_offsets[-1]) if E else 0
+    gather, positions, offsets = s.gather_index[:M], s.scatter_index[:M], s.group_offsets
+
+    pre = moe_gemm(x, gate_up.transpose(1, 2), offsets, gather_index=gather, bias=gate_up_bias,
+                   out_dtype=torch.float32)
+    gate, up = pre[:, :I], pre[:, I:]
+    act, slope = _activation_and_slope(activation, gate)
+    h = (act * up).to(dtype)
+    grad_rows = grad.float()[gather]  # dOut of each pair's token
+    row_weight = weights.reshape(-1).float()[positions]
+    grad_y = (grad_rows * row_weight[:, None]).to(dtype)  # gradient of each pair's expert output
+
+    grad_weights = None
+    if want_weights:
+        y = moe_gemm(h, down.transpose(1, 2), offsets, bias=down_bias, out_dtype=torch.float32)
+        per_pair = (grad_rows * y).sum(1)
+        grad_weights = per_pair.new_zeros(T * k)
+        grad_weights[positions] = per_pair
+        grad_weights = grad_weights.view(T, k).to(weights.dtype)
+    grad_down = _moe_gemm_wgrad_op(h, grad_y, offsets, None, True).transpose(1, 2) if want_down else None
+    grad_down_bias = None
+    if want_down_bias:
+        grad_down_bias = _moe_gemm_wgrad_op(grad_y.new_ones(M, 1), grad_y, offsets, None, False).squeeze(1)
+
+    grad_x = grad_gate_up = grad_gate_up_bias = None
+    if want_x or want_gate_up or want_gate_up_bias:
+        grad_h = moe_gemm(grad_y, down, offsets, out_dtype=torch.float32)
+        grad_pre = torch.cat([grad_h * up * slope, grad_h * act], dim=1).to(dtype)
+        if want_x:
+            rows = moe_gemm(grad_pre, gate_up, offsets, out_dtype=torch.float32)
+            grad_x = _slots_to_tokens(rows, positions, T, k).to(dtype)
+        if want_gate_up:
+            grad_gate_up = _moe_gemm_wgrad_op(x, grad_pre, offsets, gather, True).transpose(1, 2)
+        if want_gate_up_bias:
+            ones = grad_pre.new_ones(M, 1)
+            grad_gate_up_bias = _moe_gemm_wgrad_op(ones, grad_pre, offsets, None, False).squeeze(1)
+    grads = [grad_x, grad_gate_up, grad_down, grad_weights, grad_gate_up_bias, grad_down_bias]
+    return [x.new_empty(0) if g is None else g for g in grads]
+
+
+@_fused_moe_backward_op.register_fake
+def _fused_moe_backward_fake(grad, x, gate_up, down, weights, ids, activation, gate_up_bias, down_bias, wants):
+    E, I2, H = gate_up.shape
+    like = [x, gate_up, down, weights, gate_up_bias, down_bias]
+    grads = [torch.empty_like(t) if want else x.new_empty(0) for t, want in zip(like, wants)]
+    grads[1] = torch.empty_strided((E, I2, H), (I2 * H, H, 1), dtype=x.dtype, device=x.device) if wants[1] else grads[1]
+    grads[2] = torch.empty_strided(down.shape, (down.shape[1] * down.shape[2], down.shape[2], 1), dtype=x.dtype,
+                                   device=x.device) if wants[2] else grads[2]
+    return grads
+
+
+def _fused_backward(ctx, grad):
+    x, gate_up, down, weights, ids, gate_up_bias, down_bias = ctx.saved_tensors
+    grads = _fused_moe_backward_op(grad, x, gate_up, down, weights, ids, ctx.activation, gate_up_bias, down_bias,
+                                   ctx.wants)
+    kept = [g if want else None for g, want in zip(grads, ctx.wants)]
+    return kept[0], kept[1], kept[2], kept[3], None, None, kept[4], kept[5]
+
+
+
+
+def _register_fused_autograd() -> None:
+    from moe_xpu.fused import _fused_moe_op
+
+    _fused_moe_op.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
+_register_fused_autograd()

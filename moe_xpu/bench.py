@@ -302,8 +302,23 @@ def unfused_moe_pipeline(x, gate_up, down, weights, ids):
     return weighted_slot_sum(y, s.scatter_index, weights, x.dtype)
 
 
+def _gradients(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor], grad_out: torch.Tensor):
+    """The forward with every leaf requiring a gradient, then the gradients of all of them."""
+    for t in leaves:
+        t.requires_grad_(True)
+    try:
+        return torch.autograd.grad(forward(), leaves, grad_out)
+    finally:
+        for t in leaves:
+            t.requires_grad_(False)
+
+
 def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
-              flush: Callable[[], None] | None = None) -> list[Row]:
+              flush: Callable[[], None] | None = None, backward: bool = False) -> list[Row]:
+    """fused_moe beside transformers' expert backends; with backward, the forward plus the
+    gradients of the hidden states, both weight tensors and the top-k weights (FLOPs: the three
+    forward GEMMs and six gradient GEMMs; bytes: the touched experts' weights read three times and
+    every expert's weight gradient written)."""
     import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -325,6 +340,10 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
             esize = x.element_size()
             flops = 6 * case.tokens * case.top_k * case.H * case.I
             bytes_read = touched * 3 * case.H * case.I * esize + case.tokens * case.H * esize
+            if backward:
+                flops *= 3
+                bytes_read = (3 * touched + case.experts) * 3 * case.H * case.I * esize + \
+                    4 * case.tokens * case.H * esize
             roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
 
             def hf(backend):
@@ -339,8 +358,15 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
                 "HF grouped_mm": hf("grouped_mm"),
                 "moe_xpu unfused": lambda: unfused_moe_pipeline(x, experts.gate_up_proj, experts.down_proj, w, ids),
             }
-            with torch.no_grad():
+            if backward:
+                grad_out = torch.randn(case.tokens, case.H, generator=gen).to(dtype)
+                leaves = [x, experts.gate_up_proj, experts.down_proj, w]
+                impls = {name: (lambda fn=fn: _gradients(fn, leaves, grad_out)) for name, fn in impls.items()
+                         if name != "moe_xpu unfused"}
                 times = median_times(impls, repeats, flush)
+            else:
+                with torch.no_grad():
+                    times = median_times(impls, repeats, flush)
             for name, t in times.items():
                 rows.append(Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
                                 100 * roofline_s / t, t / times["moe_xpu fused"]))
@@ -591,8 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                         "back to back")
     parser.add_argument("--plot", metavar="PNG", help="write a plot of the table")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
-    parser.add_argument("--backward", action="store_true", help="gemm: time the forward plus the gradients "
-                        "of a and b (training)")
+    parser.add_argument("--backward", action="store_true", help="gemm, moe: time the forward plus the "
+                        "gradients of the inputs and weights (training)")
     args = parser.parse_args(argv)
     if args.isa is not None:
         code = isa.rerun_limited(args.isa, "moe_xpu.bench", sys.argv[1:] if argv is None else list(argv))
@@ -629,8 +655,10 @@ def main(argv: list[str] | None = None) -> int:
                  f"median of {args.repeats}")
         speedup_of = "moe_xpu"
     else:
-        rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats, flush)
-        title = f"fused_moe vs peers, {args.cache} cache, median of {args.repeats}"
+        rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats, flush,
+                         args.backward)
+        title = (f"fused_moe{' forward + backward' if args.backward else ''} vs peers, {args.cache} cache, "
+                 f"median of {args.repeats}")
         speedup_of = "moe_xpu fused"
     print_table(rows, title + f" (speed-up = peer time / {speedup_of} time)")
     if args.markdown:

@@ -43,6 +43,7 @@ TEST_FILES = [
     "tests/test_moe_gemm.py",
     "tests/test_moe_gemm_backward.py",
     "tests/test_fused_moe.py",
+    "tests/test_fused_moe_backward.py",
     "tests/test_matrix_engine.py",
     "tests/test_transformers_integration.py",
     "tests/test_portability.py",

@@ -81,3 +81,11 @@ def test_gemm_backward_counts_three_gemms():
     assert {r.impl for r in both} == {"moe_xpu", "grouped_mm"}
     ours = {r.impl: r for r in fwd}["moe_xpu"], {r.impl: r for r in both}["moe_xpu"]
     assert abs(ours[1].gflops * ours[1].seconds - 3 * ours[0].gflops * ours[0].seconds) < 1e-9
+
+
+def test_moe_backward_times_every_backend():
+    case = bench.MoeCase("tiny", 6, 4, 2, 32, 16)
+    ceilings = bench.Ceilings(gflops=1.0, read_gbs=1.0)
+    rows = bench.bench_moe([case], [torch.float32], ceilings, 2, backward=True)
+    assert {r.impl for r in rows} == {"moe_xpu fused", "HF eager", "HF grouped_mm"}
+    assert all(r.seconds > 0 for r in rows)
