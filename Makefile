@@ -14,7 +14,7 @@ VENV26 := .venv-sycl2026
 PY26 := $(VENV26)/bin/python
 SYCL2026 := intel-sycl-rt==2026.0.0 intel-cmplr-lib-ur==2026.0.0 intel-cmplr-lib-rt==2026.0.0
 
-.PHONY: setup demo demo-gemm test test-matrix check-runtime-2026 gpu-check bench info clean
+.PHONY: setup demo demo-gemm finetune test test-matrix check-runtime-2026 gpu-check bench info clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ demo: setup
 
 demo-gemm: setup
 	$(PY) examples/moe_gemm_demo.py
+
+finetune: setup
+	$(PY) examples/finetune.py
 
 # The full suite on the host's default CPU target, the correctness tests again under every other
 # CPU target the host can execute (tests/device_matrix.py), every kernel variant compiled for the

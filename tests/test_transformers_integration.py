@@ -130,3 +130,19 @@ def test_training_gradients_match_eager(name):
         torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5, msg=pname)
         checked += "experts" in pname
     assert checked >= 2, "the experts' weights must be among the checked gradients"
+
+
+def test_finetune_example_agrees_with_eager(capsys, tmp_path):
+    """examples/finetune.py: a short run trains both backends from one seed, their losses agree
+    within the example's tolerance, and it writes the loss plot."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "finetune.py"
+    spec = importlib.util.spec_from_file_location("finetune_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    plot = tmp_path / "loss.png"
+    assert example.main(["--steps", "40", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "agree" in out and plot.stat().st_size > 0
