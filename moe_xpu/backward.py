@@ -117,6 +117,12 @@ def _sum_rows_by_token_fake(rows, index, num_tokens):
     return rows.new_empty(num_tokens, rows.shape[1])
 
 
+def _group_row_sums(rows: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    """[E, N]: each group's rows summed in row order (a bias gradient), by the weight-gradient
+    kernel with a column of ones as A."""
+    return _moe_gemm_wgrad_op(rows.new_ones(rows.shape[0], 1), rows, group_offsets, None, False).squeeze(1)
+
+
 def _k_contiguous(b: torch.Tensor) -> bool:
     return b.shape[1] > 1 and b.stride(1) == 1
 
@@ -138,8 +144,7 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[1]:
         grad_b = _moe_gemm_wgrad_op(a, grad, group_offsets, gather_index, ctx.k_contiguous)
     if ctx.bias_needs_grad:
-        ones = grad.new_ones(grad.shape[0], 1)
-        grad_bias = _moe_gemm_wgrad_op(ones, grad, group_offsets, None, False).squeeze(1)
+        grad_bias = _group_row_sums(grad, group_offsets)
     return grad_a, grad_b, None, None, grad_bias, None
 
 
@@ -219,7 +224,7 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
     grad_down = _moe_gemm_wgrad_op(h, grad_y, offsets, None, True).transpose(1, 2) if want_down else None
     grad_down_bias = None
     if want_down_bias:
-        grad_down_bias = _moe_gemm_wgrad_op(grad_y.new_ones(M, 1), grad_y, offsets, None, False).squeeze(1)
+        grad_down_bias = _group_row_sums(grad_y, offsets)
 
     grad_x = grad_gate_up = grad_gate_up_bias = None
     if want_x or want_gate_up or want_gate_up_bias:
@@ -231,8 +236,7 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
         if want_gate_up:
             grad_gate_up = _moe_gemm_wgrad_op(x, grad_pre, offsets, gather, True).transpose(1, 2)
         if want_gate_up_bias:
-            ones = grad_pre.new_ones(M, 1)
-            grad_gate_up_bias = _moe_gemm_wgrad_op(ones, grad_pre, offsets, None, False).squeeze(1)
+            grad_gate_up_bias = _group_row_sums(grad_pre, offsets)
     grads = [grad_x, grad_gate_up, grad_down, grad_weights, grad_gate_up_bias, grad_down_bias]
     return [x.new_empty(0) if g is None else g for g in grads]
 

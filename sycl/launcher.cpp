@@ -376,18 +376,24 @@ void* scratch_for(sycl::queue& q, std::size_t bytes) {
   return area.ptr;
 }
 
+// The built kernel a plan names, refused where the device cannot run its work-group size.
+const BuiltKernel& planned_kernel(sycl::queue& q, const DeviceDescription& d, DType t, DType out,
+                                  const LaunchPlan& plan) {
+  const BuiltKernel& built = get_bundle(q, d, t, out).kernels.at(plan.kernel_name);
+  if (plan.work_group_size > built.report.max_work_group_size)
+    refuse_device(q.get_device(), "kernel " + plan.kernel_name + " allows work-groups of at most " +
+                                      std::to_string(built.report.max_work_group_size) + " work-items, the launch needs " +
+                                      std::to_string(plan.work_group_size));
+  return built;
+}
+
 void moe_gemm(const GemmArgs& args) {
   if (args.queue == 0) check_host_values(args);  // CPU device: the values are in host memory
   if (args.out_rows == 0 || args.N == 0) return;
   sycl::queue& q = queue_for(args.queue);
   const DeviceDescription& d = description_for(q, args.variants_for);
   const LaunchPlan plan = plan_for(args, d);
-  Bundle& bundle = get_bundle(q, d, args.dtype, args.out_dtype);
-  const BuiltKernel& built = bundle.kernels.at(plan.kernel_name);
-  if (plan.work_group_size > built.report.max_work_group_size)
-    refuse_device(q.get_device(), "kernel " + plan.kernel_name + " allows work-groups of at most " +
-                                      std::to_string(built.report.max_work_group_size) + " work-items, the launch needs " +
-                                      std::to_string(plan.work_group_size));
+  const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   if (plan.matrix_engine && q.get_device().is_cpu() &&
       !(cpu_amx_usable() && (args.dtype != DType::float16 || cpu_has_amx_fp16())))
     throw std::runtime_error("moe_xpu: " + plan.kernel_name + " needs AMX" +
@@ -425,11 +431,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   sycl::queue& q = queue_for(args.queue);
   const DeviceDescription& d = description_for(q, args.variants_for);
   const LaunchPlan plan = plan_wgrad_for(args, d);
-  const BuiltKernel& built = get_bundle(q, d, args.dtype, args.out_dtype).kernels.at(plan.kernel_name);
-  if (plan.work_group_size > built.report.max_work_group_size)
-    refuse_device(q.get_device(), "kernel " + plan.kernel_name + " allows work-groups of at most " +
-                                      std::to_string(built.report.max_work_group_size) + " work-items, the launch needs " +
-                                      std::to_string(plan.work_group_size));
+  const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size;
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;

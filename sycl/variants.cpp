@@ -135,11 +135,11 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
 
 namespace {
 
-// Few rows per expert (decode): one row per tile so no work is spent on padding rows; many rows
-// (prefill): taller tiles reuse each loaded B value across more rows.
 constexpr int kRegisterTileVectors = 32;  // must match moe_gemm.cpp
 
-// The decode tile up to 2 rows a group. The CPU's streaming decode tile (N-split, wider than a
+// Few rows per expert (decode): one row per tile so no work is spent on padding rows; many rows
+// (prefill): taller tiles reuse each loaded B value across more rows. The decode tile up to 2 rows
+// a group. The CPU's streaming decode tile (N-split, wider than a
 // register tile) pays off on long B rows only: where N fits the other tile's columns, that tile
 // runs instead (T=8 E=8 K=128 N=64: 17-19 -> 14.5 us).
 TileShape choose_tile(Family f, const DeviceDescription& d, double rows_per_group, std::int64_t N) {
