@@ -3,6 +3,8 @@
 # and moe_xpu built in place (its CMake build reruns when sycl/ changes).
 PYTHON ?= python3
 VENV := .venv
+# transformers is for the tests and examples only (the core import does not need it).
+TRANSFORMERS := transformers==5.23.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moe_xpu-installed
 export SYCL_CACHE_PERSISTENT ?= 1
@@ -14,7 +16,16 @@ VENV26 := .venv-sycl2026
 PY26 := $(VENV26)/bin/python
 SYCL2026 := intel-sycl-rt==2026.0.0 intel-cmplr-lib-ur==2026.0.0 intel-cmplr-lib-rt==2026.0.0
 
-.PHONY: setup demo demo-gemm finetune test test-matrix check-runtime-2026 gpu-check bench info clean
+# A third environment with Intel Extension for PyTorch: IPEX 2.8 (its last release) is built against
+# torch 2.8.0 exactly and validated with transformers 4.51.3; moe_xpu is installed there from a wheel.
+VENV_IPEX := .venv-ipex
+PY_IPEX := $(VENV_IPEX)/bin/python
+IPEX := torch==2.8.0 intel-extension-for-pytorch==2.8.0
+IPEX_TRANSFORMERS := transformers==4.51.3
+SOURCES := setup.py CMakeLists.txt $(wildcard sycl/*.cpp sycl/*.hpp sycl/kernels/*.cpp sycl/kernels/*.hpp)
+
+.PHONY: setup setup-ipex demo demo-gemm demo-ipex finetune test test-matrix test-ipex check-runtime-2026 \
+	gpu-check bench bench-ipex info clean
 
 setup: $(STAMP)
 
@@ -22,10 +33,10 @@ $(VENV)/.deps: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt $(TRANSFORMERS)
 	touch $@
 
-$(STAMP): $(VENV)/.deps setup.py CMakeLists.txt $(wildcard sycl/*.cpp sycl/*.hpp sycl/kernels/*.cpp sycl/kernels/*.hpp)
+$(STAMP): $(VENV)/.deps $(SOURCES)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -40,10 +51,36 @@ finetune: setup
 
 # The full suite on the host's default CPU target, the correctness tests again under every other
 # CPU target the host can execute (tests/device_matrix.py), every kernel variant compiled for the
-# Intel GPU generations (gpu-check), and the build against the other SYCL runtime generation.
+# Intel GPU generations (gpu-check), the build against the other SYCL runtime generation, and the
+# suite again on torch 2.8 with IPEX (test-ipex: the IPEX integration tests run there).
 test: setup
 	$(PY) -m pytest
-	$(MAKE) --no-print-directory test-matrix gpu-check check-runtime-2026
+	$(MAKE) --no-print-directory test-matrix gpu-check check-runtime-2026 test-ipex
+
+setup-ipex: $(VENV_IPEX)/.moe_xpu-installed
+
+$(VENV_IPEX)/.deps: requirements.txt
+	$(PYTHON) -m venv $(VENV_IPEX)
+	$(PY_IPEX) -m pip install --quiet --upgrade pip
+	$(PY_IPEX) -m pip install --quiet $(IPEX)
+	$(PY_IPEX) -m pip install --quiet -r requirements.txt $(IPEX_TRANSFORMERS)
+	touch $@
+
+$(VENV_IPEX)/.moe_xpu-installed: $(VENV_IPEX)/.deps $(SOURCES) $(wildcard moe_xpu/*.py moe_xpu/*/*.py)
+	rm -rf build/wheel-ipex
+	$(PY_IPEX) -m pip wheel --quiet --no-build-isolation --no-deps -w build/wheel-ipex .
+	$(PY_IPEX) -m pip install --quiet --force-reinstall --no-deps build/wheel-ipex/moe_xpu-*.whl
+	touch $@
+
+# -P: moe_xpu comes from the installed wheel, not from this folder (whose _C is built for .venv).
+test-ipex: setup-ipex
+	$(PY_IPEX) -P -m pytest -p no:cacheprovider
+
+demo-ipex: setup-ipex
+	$(PY_IPEX) -P examples/ipex_swap.py
+
+bench-ipex: setup-ipex
+	$(PY_IPEX) -P -m moe_xpu.bench ipex --plot bench_out/ipex.png
 
 # Intel's GPU compiler is unpacked under .cache/ (from Debian's archive, nothing installed system-wide).
 gpu-check: setup
@@ -75,4 +112,4 @@ info: setup
 	$(PY) -m moe_xpu info
 
 clean:
-	rm -rf build $(VENV) $(VENV26) .cache *.egg-info moe_xpu/_C*.so
+	rm -rf build $(VENV) $(VENV26) $(VENV_IPEX) .cache *.egg-info moe_xpu/_C*.so

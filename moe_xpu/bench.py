@@ -1,4 +1,4 @@
-"""python -m moe_xpu.bench {gemm,moe,skew,small}: moe_xpu beside its peers, in one process, on the same inputs.
+"""python -m moe_xpu.bench {gemm,moe,skew,small,ipex}: moe_xpu beside its peers, in one process, on the same inputs.
 
 gemm: moe_gemm beside F.grouped_mm and a per-expert loop of torch.mm.
 moe:  fused_moe beside transformers' eager and grouped_mm experts backends (a MixtralExperts
@@ -11,6 +11,8 @@ small: the per-call cost at small shapes (warm cache, median of --repeats, defau
       floor (an empty kernel's launch); 64 rows per expert at K = 128 through an index table
       (gathered in the kernel) beside index_select then moe_gemm or grouped_mm; fused_moe beside
       transformers' backends on small layers (the demo model's among them).
+ipex: fused_moe beside Intel Extension for PyTorch's CPU MoE paths on the moe cases (in an
+      environment with IPEX 2.8: make bench-ipex; see moe_xpu/bench_ipex.py).
 
 --isa avx2|avx512|native reruns the bench with moe_xpu and torch limited to one instruction set
 (see moe_xpu/isa.py): the peers and the compute ceiling are then measured under the same limit.
@@ -47,6 +49,32 @@ import torch.nn.functional as F
 import moe_xpu
 from moe_xpu import _runtime, isa
 from moe_xpu.fused import weighted_slot_sum
+
+#: torch.nn.functional.grouped_mm (torch 2.9+): a peer where the installed torch has it.
+GROUPED_MM = getattr(F, "grouped_mm", None)
+
+
+def _available(impls: dict[str, Callable[[], object] | None]) -> dict[str, Callable[[], object]]:
+    """The implementations this environment has (a peer missing from the installed torch or
+    transformers is None or False); each one left out is said once."""
+    for name, fn in impls.items():
+        if not fn and name not in _said_missing:
+            _said_missing.add(name)
+            print(f"note: {name} is not available with torch {torch.__version__} and the installed "
+                  f"transformers; left out")
+    return {name: fn for name, fn in impls.items() if fn}
+
+
+_said_missing: set[str] = set()
+
+
+def _hf_mixtral_experts():
+    """transformers 5.x's MixtralExperts (the experts-interface module), or None before 5.x."""
+    try:
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    except ImportError:
+        return None
+    return MixtralExperts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,17 +279,17 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, rou
                 bytes_read = ((2 * touched + case.experts) * case.K * case.N + 3 * case.rows * case.K
                               + 2 * case.rows * case.N) * esize
                 grad_out = torch.randn(case.rows, case.N, generator=gen).to(dtype)
-                impls = {
+                impls = _available({
                     "moe_xpu": lambda: forward_backward(moe_xpu.moe_gemm, a, b, offsets, grad_out),
-                    "grouped_mm": lambda: forward_backward(lambda x, w, o: F.grouped_mm(x, w, offs=o), a, b,
-                                                           offsets, grad_out),
-                }
+                    "grouped_mm": GROUPED_MM and (lambda: forward_backward(
+                        lambda x, w, o: GROUPED_MM(x, w, offs=o), a, b, offsets, grad_out)),
+                })
             else:
-                impls = {
+                impls = _available({
                     "moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
-                    "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
+                    "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),
                     "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
-                }
+                })
             roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
             times = median_times(impls, repeats, flush)
             for name, t in times.items():
@@ -313,28 +341,39 @@ def _gradients(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor], 
             t.requires_grad_(False)
 
 
+def mixtral_experts(case: "MoeCase", dtype: torch.dtype, gen: torch.Generator):
+    """A transformers MixtralExperts module with the case's shapes and small random weights, or,
+    before transformers 5.x, a plain holder of the same two tensors (no HF peers then)."""
+    MixtralExperts = _hf_mixtral_experts()
+    gate_up = (torch.randn(case.experts, 2 * case.I, case.H, generator=gen) * 0.02).to(dtype)
+    down = (torch.randn(case.experts, case.H, case.I, generator=gen) * 0.02).to(dtype)
+    if MixtralExperts is None:
+        return argparse.Namespace(gate_up_proj=gate_up, down_proj=down)
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=case.H, intermediate_size=case.I,
+                                        num_local_experts=case.experts, num_experts_per_tok=case.top_k)
+    experts = MixtralExperts(config).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    return experts
+
+
 def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
               flush: Callable[[], None] | None = None, backward: bool = False) -> list[Row]:
     """fused_moe beside transformers' expert backends; with backward, the forward plus the
     gradients of the hidden states, both weight tensors and the top-k weights (FLOPs: the three
     forward GEMMs and six gradient GEMMs; bytes: the touched experts' weights read three times and
     every expert's weight gradient written)."""
-    import transformers
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
     for case in cases:
-        config = transformers.MixtralConfig(hidden_size=case.H, intermediate_size=case.I,
-                                            num_local_experts=case.experts, num_experts_per_tok=case.top_k)
         logits = torch.randn(case.tokens, case.experts, generator=gen)
         weights, ids = logits.softmax(-1).topk(case.top_k, dim=1)
         touched = int(ids.unique().numel())
         for dtype in dtypes:
-            experts = MixtralExperts(config).to(dtype)
-            with torch.no_grad():
-                experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 0.02)
-                experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.02)
+            experts = mixtral_experts(case, dtype, gen)
             x = torch.randn(case.tokens, case.H, generator=gen).to(dtype)
             w = weights.to(dtype)
             esize = x.element_size()
@@ -352,12 +391,13 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
                     return experts(x, ids, w)
                 return run
 
-            impls = {
+            hf_module = isinstance(experts, torch.nn.Module)
+            impls = _available({
                 "moe_xpu fused": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids),
-                "HF eager": hf("eager"),
-                "HF grouped_mm": hf("grouped_mm"),
+                "HF eager": hf_module and hf("eager"),
+                "HF grouped_mm": hf_module and hf("grouped_mm"),
                 "moe_xpu unfused": lambda: unfused_moe_pipeline(x, experts.gate_up_proj, experts.down_proj, w, ids),
-            }
+            })
             if backward:
                 grad_out = torch.randn(case.tokens, case.H, generator=gen).to(dtype)
                 leaves = [x, experts.gate_up_proj, experts.down_proj, w]
@@ -480,12 +520,13 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
         offsets = torch.bincount(ids, minlength=case.experts).cumsum(0).to(torch.int32)
         out = torch.empty(case.tokens, case.N)
         args = ops.gemm_args(a, b, offsets, None, None, out)
-        t = median_times({"moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
-                          "grouped_mm": lambda: F.grouped_mm(a, b, offs=offsets),
-                          "launcher": lambda: C.moe_gemm(args)}, repeats, flush)
+        t = median_times(_available({"moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
+                                     "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),
+                                     "launcher": lambda: C.moe_gemm(args)}), repeats, flush)
         kernel = max(t["launcher"] - floor, 0.0)
         rows.append(SmallRow(case.name, "moe_xpu", t["moe_xpu"], 1.0, (t["moe_xpu"] - kernel) * 1e6))
-        rows.append(SmallRow(case.name, "grouped_mm", t["grouped_mm"], t["grouped_mm"] / t["moe_xpu"]))
+        if "grouped_mm" in t:
+            rows.append(SmallRow(case.name, "grouped_mm", t["grouped_mm"], t["grouped_mm"] / t["moe_xpu"]))
 
     c = GATHER_CASE
     logits = torch.randn(c["tokens"], c["experts"], generator=gen)
@@ -493,25 +534,17 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
     x = torch.randn(c["tokens"], c["K"], generator=gen)
     b = torch.randn(c["experts"], c["K"], c["N"], generator=gen)
     name = f"64 rows/expert K{c['K']}"
-    t = median_times({
+    t = median_times(_available({
         "moe_xpu gather in kernel": lambda: moe_xpu.moe_gemm(x, b, s.group_offsets, gather_index=s.gather_index),
         "index_select + moe_xpu": lambda: moe_xpu.moe_gemm(x.index_select(0, s.gather_index), b, s.group_offsets),
-        "index_select + grouped_mm": lambda: F.grouped_mm(x.index_select(0, s.gather_index), b,
-                                                          offs=s.group_offsets),
-    }, repeats, flush)
+        "index_select + grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(x.index_select(0, s.gather_index), b,
+                                                                        offs=s.group_offsets)),
+    }), repeats, flush)
     ours = t["moe_xpu gather in kernel"]
     rows += [SmallRow(name, impl, v, v / ours) for impl, v in t.items()]
 
-    import transformers
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
     for case in SMALL_MOES:
-        config = transformers.MixtralConfig(hidden_size=case.H, intermediate_size=case.I,
-                                            num_local_experts=case.experts, num_experts_per_tok=case.top_k)
-        experts = MixtralExperts(config)
-        with torch.no_grad():
-            experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 0.02)
-            experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.02)
+        experts = mixtral_experts(case, torch.float32, gen)
         weights, ids = torch.randn(case.tokens, case.experts, generator=gen).softmax(-1).topk(case.top_k, dim=1)
         x = torch.randn(case.tokens, case.H, generator=gen)
 
@@ -522,9 +555,11 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
             return run
 
         with torch.no_grad():
-            t = median_times({"moe_xpu fused_moe": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj,
-                                                                             experts.down_proj, weights, ids),
-                              "HF eager": hf("eager"), "HF grouped_mm": hf("grouped_mm")}, repeats, flush)
+            hf_module = isinstance(experts, torch.nn.Module)
+            t = median_times(_available({
+                "moe_xpu fused_moe": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids),
+                "HF eager": hf_module and hf("eager"), "HF grouped_mm": hf_module and hf("grouped_mm")}),
+                repeats, flush)
         ours = t["moe_xpu fused_moe"]
         label = f"fused {case.name} H{case.H} I{case.I}"
         rows += [SmallRow(label, impl, v, v / ours) for impl, v in t.items()]
@@ -536,12 +571,13 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
 
 def print_table(rows: list[Row], title: str) -> None:
     print(title)
-    header = f"{'case':<11} {'dtype':<9} {'impl':<16} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
+    width = max([16] + [len(r.impl) for r in rows])
+    header = f"{'case':<11} {'dtype':<9} {'impl':<{width}} {'median ms':>10} {'GFLOP/s':>8} {'roofline':>9} {'moe_xpu speed-up':>17}"
     print(header)
     print("-" * len(header))
     for r in rows:
         speed = "" if r.impl.startswith("moe_xpu") and r.speedup == 1.0 else f"{r.speedup:.2f}x"
-        print(f"{r.case:<11} {r.dtype:<9} {r.impl:<16} {r.seconds * 1e3:>10.2f} {r.gflops:>8.1f} "
+        print(f"{r.case:<11} {r.dtype:<9} {r.impl:<{width}} {r.seconds * 1e3:>10.2f} {r.gflops:>8.1f} "
               f"{r.roofline_pct:>8.0f}% {speed:>17}")
 
 
@@ -601,7 +637,7 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_xpu.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew", "small"])
+    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew", "small", "ipex"])
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--cases", default="decode,prefill,64tok-E64,16tok-E8")
     parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
@@ -654,6 +690,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.routing} routing, {args.cache} cache, "
                  f"median of {args.repeats}")
         speedup_of = "moe_xpu"
+    elif args.suite == "ipex":
+        from moe_xpu.bench_ipex import bench_ipex
+
+        rows = bench_ipex([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats, flush)
+        title = f"fused_moe vs IPEX's CPU MoE paths, {args.cache} cache, median of {args.repeats}"
+        speedup_of = "moe_xpu fused"
     else:
         rows = bench_moe([c for c in MOE_CASES if c.name in wanted], dtypes, ceilings, args.repeats, flush,
                          args.backward)

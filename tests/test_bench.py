@@ -78,7 +78,7 @@ def test_gemm_backward_counts_three_gemms():
     ceilings = bench.Ceilings(gflops=1.0, read_gbs=1.0)
     fwd = bench.bench_gemm([case], [torch.float32], ceilings, 2, "linear", "uniform")
     both = bench.bench_gemm([case], [torch.float32], ceilings, 2, "linear", "uniform", backward=True)
-    assert {r.impl for r in both} == {"moe_xpu", "grouped_mm"}
+    assert {r.impl for r in both} == {"moe_xpu"} | ({"grouped_mm"} if bench.GROUPED_MM else set())
     ours = {r.impl: r for r in fwd}["moe_xpu"], {r.impl: r for r in both}["moe_xpu"]
     assert abs(ours[1].gflops * ours[1].seconds - 3 * ours[0].gflops * ours[0].seconds) < 1e-9
 
@@ -87,5 +87,6 @@ def test_moe_backward_times_every_backend():
     case = bench.MoeCase("tiny", 6, 4, 2, 32, 16)
     ceilings = bench.Ceilings(gflops=1.0, read_gbs=1.0)
     rows = bench.bench_moe([case], [torch.float32], ceilings, 2, backward=True)
-    assert {r.impl for r in rows} == {"moe_xpu fused", "HF eager", "HF grouped_mm"}
+    hf = {"HF eager", "HF grouped_mm"} if bench._hf_mixtral_experts() else set()  # transformers 5.x
+    assert {r.impl for r in rows} == {"moe_xpu fused"} | hf
     assert all(r.seconds > 0 for r in rows)

@@ -142,6 +142,7 @@ def test_weights_read_in_place(layout):
     assert ready[1].data_ptr() == b.data_ptr() and ready[1].stride() == b.stride()
 
 
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch.nn.functional.grouped_mm arrived in torch 2.9")
 def test_matches_grouped_mm():
     T, E, K, N = 64, 8, 96, 80
     a = torch.randn(T, K)
