@@ -6,6 +6,7 @@ environment: pip install --no-build-isolation -e .
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,15 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: CMakeExtension) -> None:
         import pybind11
 
-        out_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
         # One CMake build folder per environment: CMake caches the SYCL runtime it found, and a
-        # build for another environment (another runtime generation) must not reuse it.
+        # build for another environment (another runtime generation) must not reuse it. The module
+        # is built there too and then copied: setuptools' output folder is shared by every
+        # environment, and CMake, finding its own build up to date, would not write it again
+        # (a wheel for one environment once shipped the module linked against another's runtime).
         env_tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
         build_dir = Path(self.build_temp).resolve() / f"{ext.name}-{env_tag}"
+        out_dir = build_dir / "module"
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
         configure = [
@@ -44,6 +49,8 @@ class CMakeBuild(build_ext):
         jobs = f"-j{os.cpu_count() or 1}"
         subprocess.run(configure, cwd=build_dir, check=True)
         subprocess.run(["cmake", "--build", ".", "--config", cfg, jobs], cwd=build_dir, check=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out_dir / target.name, target)
 
 
 setup(

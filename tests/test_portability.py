@@ -157,3 +157,14 @@ def test_tiles_follow_the_vector_class_of_the_cpu_target(target, vector_class):
     if vector_class != "avx512":  # narrower registers, smaller register tile
         rows, cols = eval(prefill_tile)
         assert rows * cols < 24
+
+
+def test_the_launcher_runs_on_this_environments_runtime(C):
+    """moe_xpu._C links the SYCL runtime of the environment it was built for and finds the CPU
+    device there (a wheel once shipped a module built against another environment's runtime, and
+    every CPU call quietly took the plain-PyTorch fallback)."""
+    from moe_xpu import _runtime
+
+    loaded = os.path.realpath(_runtime.loaded_sycl_library())
+    assert loaded.startswith(os.path.realpath(sys.prefix) + os.sep), loaded
+    assert os.environ.get("MOE_XPU_BACKEND", "auto") != "auto" or _runtime.cpu_backend() == "sycl"
