@@ -602,10 +602,14 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(groups)), 4.8))
     width = 0.8 / len(impls)
     for i, impl in enumerate(impls):
-        values = [next(r.roofline_pct for r in rows if (r.case, r.dtype) == g and r.impl == impl) for g in groups]
+        # An implementation that did not run for a case (a peer refusing a dtype) gets no bar there.
+        values = [next((r.roofline_pct for r in rows if (r.case, r.dtype) == g and r.impl == impl), float("nan"))
+                  for g in groups]
         xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(groups))]
         bars = ax.bar(xs, values, width, label=impl)
         for bar, v in zip(bars, values):
+            if v != v:  # NaN: no bar
+                continue
             ax.annotate(f"{v:.0f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
     ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)))
