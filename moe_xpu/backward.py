@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moe_xpu import _runtime
-from moe_xpu.ops import SUPPORTED_DTYPES, MoeXpuInputError, _launcher_dtype, _moe_gemm_op, moe_gemm
+from moe_xpu.ops import SUPPORTED_DTYPES, MoeXpuInputError, _launcher_dtype, _moe_gemm_op, moe_gemm, rows_contiguous
 
 
 def _check_wgrad_metadata(a, grad_out, group_offsets, gather_index) -> None:
@@ -39,11 +39,7 @@ def _empty_weight_grad(a, grad_out, group_offsets, k_contiguous: bool) -> torch.
 
 
 def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
-    if a.shape[1] > 1 and a.stride(1) != 1:
-        a = a.contiguous()
-    if grad_out.shape[1] > 1 and grad_out.stride(1) != 1:
-        grad_out = grad_out.contiguous()
-    group_offsets = group_offsets.contiguous()
+    a, grad_out, group_offsets = rows_contiguous(a), rows_contiguous(grad_out), group_offsets.contiguous()
     out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
     C = _runtime.sycl_module()
     w = C.WgradArgs()
@@ -123,14 +119,15 @@ def _group_row_sums(rows: torch.Tensor, group_offsets: torch.Tensor) -> torch.Te
     return _moe_gemm_wgrad_op(rows.new_ones(rows.shape[0], 1), rows, group_offsets, None, False).squeeze(1)
 
 
-def _k_contiguous(b: torch.Tensor) -> bool:
+def _reads_k_contiguous(b: torch.Tensor) -> bool:
+    """Whether the kernels read b along contiguous K (nn.Linear weights seen as [E, K, N])."""
     return b.shape[1] > 1 and b.stride(1) == 1
 
 
 def _setup_context(ctx, inputs, output) -> None:
     a, b, group_offsets, gather_index, bias, out_dtype = inputs
     ctx.save_for_backward(a, b, group_offsets, gather_index)
-    ctx.k_contiguous = _k_contiguous(b)
+    ctx.k_contiguous = _reads_k_contiguous(b)
     ctx.bias_needs_grad = bias is not None and bias.requires_grad
 
 

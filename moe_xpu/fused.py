@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from moe_xpu import _dispatch, _runtime, torch_fallback
-from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args, launch
+from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args, launch, rows_contiguous
 
 #: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
 #: skipped and contributes nothing. Any other id outside [0, num_experts) is an error.
@@ -180,7 +180,7 @@ def check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weight
             _fail(f"{name} is on {t.device} but hidden_states is on {hidden_states.device}")
 
 
-def _k_contiguous(w: torch.Tensor) -> torch.Tensor:
+def _k_contiguous_view(w: torch.Tensor) -> torch.Tensor:
     """[E, N, K] weights viewed as [E, K, N] with K contiguous (copied only if K is strided)."""
     view = w.transpose(1, 2)
     return view if view.shape[1] <= 1 or view.stride(1) == 1 else w.contiguous().transpose(1, 2)
@@ -191,7 +191,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
-    x = hidden_states if H <= 1 or hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    x = rows_contiguous(hidden_states)
     gather_index, group_offsets, scatter_index = _sort_tokens_impl(topk_ids, E)  # ids checked (on the CPU: by the sort)
     gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
     down_bias = None if down_bias is None else down_bias.contiguous()
@@ -202,7 +202,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     # launches share one compiled kernel bundle. The vector kernels use h unrounded; the bf16
     # matrix-engine kernels round it to bf16 as they pack it (the engine multiplies bf16), as a
     # bf16 model's own expert block would.
-    w_gate_up, w_down = _k_contiguous(gate_up_proj), _k_contiguous(down_proj)
+    w_gate_up, w_down = _k_contiguous_view(gate_up_proj), _k_contiguous_view(down_proj)
     h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
     args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
     args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I

@@ -185,19 +185,24 @@ def launch(args, a: torch.Tensor) -> None:
         raise MoeXpuInputError(str(error)) from None
 
 
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D tensor whose rows the kernels read as runs of consecutive elements (any row stride):
+    itself, or a contiguous copy when its columns are strided."""
+    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+
+
 def kernel_ready(a, b, group_offsets, gather_index, bias):
     """Copies only what the kernel cannot read in place: a needs unit stride along K, b needs
     unit stride along K (nn.Linear weights transposed) or along N (a contiguous [E, K, N])."""
-    if a.shape[1] > 1 and a.stride(1) != 1:
-        a = a.contiguous()
+    a = rows_contiguous(a)
     K, N = b.shape[1], b.shape[2]
     if K > 1 and N > 1 and b.stride(1) != 1 and b.stride(2) != 1:
         b = b.contiguous()
     group_offsets = group_offsets.contiguous()
     if gather_index is not None:
         gather_index = gather_index.contiguous()
-    if bias is not None and bias.shape[1] > 1 and bias.stride(1) != 1:
-        bias = bias.contiguous()
+    if bias is not None:
+        bias = rows_contiguous(bias)
     return a, b, group_offsets, gather_index, bias
 
 

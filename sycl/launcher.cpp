@@ -250,10 +250,15 @@ std::unordered_map<std::string, Bundle*>& bundles() {
   return *m;
 }
 
+// Kernels are built per context and device: the key of a queue's pair.
+std::string queue_key(const sycl::queue& q) {
+  return std::to_string(std::hash<sycl::context>{}(q.get_context())) + '/' +
+         std::to_string(std::hash<sycl::device>{}(q.get_device()));
+}
+
 std::string bundle_key(const sycl::queue& q, const DeviceDescription& d, DType t, DType out) {
-  std::string key = std::to_string(std::hash<sycl::context>{}(q.get_context())) + '/' +
-                    std::to_string(std::hash<sycl::device>{}(q.get_device())) + '/' + d.name + '/' +
-                    std::to_string(static_cast<int>(t)) + '/' + std::to_string(static_cast<int>(out));
+  std::string key = queue_key(q) + '/' + d.name + '/' + std::to_string(static_cast<int>(t)) + '/' +
+                    std::to_string(static_cast<int>(out));
   // Kernel development: each MOE_XPU_KERNEL_SOURCE file gets its own bundles, so one process
   // can time several variants side by side by switching the variable between calls.
   if (const char* path = std::getenv("MOE_XPU_KERNEL_SOURCE")) key += std::string("/") + path;
@@ -458,8 +463,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
 void launch_empty(std::uintptr_t queue) {
   sycl::queue& q = queue_for(queue);
   static auto* kernels = new std::unordered_map<std::string, sycl::kernel>();
-  const std::string key = std::to_string(std::hash<sycl::context>{}(q.get_context())) + '/' +
-                          std::to_string(std::hash<sycl::device>{}(q.get_device()));
+  const std::string key = queue_key(q);
   const sycl::kernel* kernel = nullptr;
   {
     std::lock_guard<std::mutex> lock(state_mutex());

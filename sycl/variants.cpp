@@ -255,6 +255,24 @@ std::int64_t workers_from_environment() {
   return forced;
 }
 
+// The persistent scheduler's worker count: `per_cu` a compute unit, except that on the CPU, where
+// starting a work-group costs the runtime a few microseconds, a tiny problem (a small model's
+// decode step) gets one worker per ~4 MFLOP of work, at least one per core (a 1 MFLOP launch:
+// 173 us with 32 workers, 75 us with 2). A requested count (the launch's, else
+// MOE_XPU_NUM_WORKERS) replaces the choice; never more than `max_units` work units, and a whole
+// number of work-groups of `subgroups_per_wg` workers.
+std::int64_t worker_count(const DeviceDescription& d, std::int64_t per_cu, double flops, std::int64_t requested,
+                          std::int64_t max_units, std::int64_t subgroups_per_wg) {
+  const std::int64_t compute_units = d.compute_units;
+  std::int64_t workers = compute_units * per_cu;
+  if (d.is_cpu)
+    workers = std::min(workers, std::max(compute_units, static_cast<std::int64_t>(flops / 4.0e6) + 1));
+  if (requested > 0) workers = requested;
+  else if (const std::int64_t forced = workers_from_environment(); forced > 0) workers = forced;
+  workers = std::max<std::int64_t>(1, std::min(workers, max_units));
+  return (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
+}
+
 }  // namespace
 
 // Bytes of one worker's scratch area in the matrix kernels (matrix_scratch_bytes in moe_gemm.cpp).
@@ -361,7 +379,6 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
     if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
   }
 
-  const std::int64_t compute_units = d.compute_units;
   const std::int64_t lanes = use_matrix && k_lanes ? engine_tile(d).sub_group_size : kSubGroupSize;
   LaunchPlan plan;
   plan.sub_group_size = int(lanes);
@@ -385,25 +402,13 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const std::int64_t subgroups_per_wg = cpu ? 1 : 4;
   const std::int64_t workers_per_cu = cpu ? 16 : use_matrix ? 8 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
-  std::int64_t workers = compute_units * workers_per_cu;
-  if (cpu) {
-    // Starting a work-group costs the CPU runtime a few microseconds: a tiny problem (a small
-    // model's decode step) gets one worker per ~4 MFLOP of work, at least one per core (a
-    // 1 MFLOP launch: 173 us with 32 workers, 75 us with 2).
-    const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
-    const std::int64_t by_work = static_cast<std::int64_t>(flops / 4.0e6) + 1;
-    workers = std::min(workers, std::max(compute_units, by_work));
-  }
-  if (args.num_workers > 0) workers = args.num_workers;
-  else if (const std::int64_t forced = workers_from_environment(); forced > 0) workers = forced;
   // Never more workers than there can be work units (see for_each_owned_unit in the kernel: a
   // unit covers up to kUnitRows rows of one group; every group may add one partial unit).
   const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
   const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
   const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
-  workers = std::max<std::int64_t>(1, std::min(workers, max_units));
-  workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
-  plan.num_workers = workers;
+  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
+  plan.num_workers = worker_count(d, workers_per_cu, flops, args.num_workers, max_units, subgroups_per_wg);
   return plan;
 }
 
@@ -414,20 +419,13 @@ LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
   plan.tile_m = shape.tile_m;
   plan.tile_n = shape.tile_n * int(kSubGroupSize);
   plan.sub_group_size = int(kSubGroupSize);
-  // As the forward kernels: one sub-group per work-group and 16 workers per core on the CPU (a
-  // tiny problem one per ~4 MFLOP, at least one per core), 4 sub-groups per work-group on GPUs.
+  // As the forward kernels: one sub-group per work-group and 16 workers per core on the CPU,
+  // 4 sub-groups per work-group and 32 workers per compute unit on GPUs.
   const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
-  std::int64_t workers = std::int64_t(d.compute_units) * (d.is_cpu ? 16 : 32);
-  if (d.is_cpu) {
-    const double flops = 2.0 * double(args.dy_rows) * double(args.K) * double(args.N);
-    workers = std::min(workers, std::max<std::int64_t>(d.compute_units, static_cast<std::int64_t>(flops / 4.0e6) + 1));
-  }
-  if (args.num_workers > 0) workers = args.num_workers;
-  else if (const std::int64_t forced = workers_from_environment(); forced > 0) workers = forced;
   const std::int64_t units = args.num_groups * ((args.K + plan.tile_m - 1) / plan.tile_m) *
                              ((args.N + plan.tile_n - 1) / plan.tile_n);
-  workers = std::max<std::int64_t>(1, std::min(workers, units));
-  plan.num_workers = (workers + subgroups_per_wg - 1) / subgroups_per_wg * subgroups_per_wg;
+  const double flops = 2.0 * double(args.dy_rows) * double(args.K) * double(args.N);
+  plan.num_workers = worker_count(d, d.is_cpu ? 16 : 32, flops, args.num_workers, units, subgroups_per_wg);
   plan.work_group_size = subgroups_per_wg * kSubGroupSize;
   return plan;
 }
