@@ -51,10 +51,20 @@ def _candidates(gate_up, down, x, logits, weights, ids, top_k):
 
     from moe_xpu.integrations import ipex as moe_xpu_ipex
 
-    def gated(prepack: bool):
-        def build():
+    modules: dict[bool, GatedMLPMOE] = {}
+
+    def gated_module(prepack: bool) -> GatedMLPMOE:
+        """One module per prepacking choice, shared by the rows that time it (prepacking copies
+        every expert's weights once)."""
+        if prepack not in modules:
             module = GatedMLPMOE(gate_up, down, use_prepack=prepack)
             module(x, False, top_k, logits, True)  # IPEX builds (and prepacks) on the first call
+            modules[prepack] = module
+        return modules[prepack]
+
+    def gated(prepack: bool):
+        def build():
+            module = gated_module(prepack)
             return lambda: module(x, False, top_k, logits, True)
         return build
 
@@ -67,9 +77,7 @@ def _candidates(gate_up, down, x, logits, weights, ids, top_k):
         return run
 
     def deepseek():
-        module = GatedMLPMOE(gate_up, down, use_prepack=True)
-        module(x, False, top_k, logits, True)
-        kernel, run = _deepseek_moe(module, x, ids, weights)
+        kernel, run = _deepseek_moe(gated_module(True), x, ids, weights)
         run()
         return kernel, run
 

@@ -312,3 +312,21 @@ def test_a_layer_moe_xpu_cannot_run_stays_on_ipex_with_one_warning(monkeypatch):
     ours = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
     assert len(ours) == 1 and "activation is GELU, not SiLU" in ours[0]  # one warning for both layers
     assert torch.equal(logits, ipex_logits)
+
+
+def test_bench_ipex_times_moe_xpu_beside_ipex(capsys):
+    """python -m moe_xpu.bench ipex on a tiny case: every path IPEX runs on this CPU gets a row,
+    and the ones it refuses are said, not dropped silently."""
+    from moe_xpu import bench
+    from moe_xpu.bench_ipex import bench_ipex
+
+    case = bench.MoeCase("tiny", 6, 8, 2, 64, 32)
+    rows = bench_ipex([case], [torch.float32, torch.bfloat16], bench.Ceilings(gflops=1.0, read_gbs=1.0), 2)
+    out = capsys.readouterr().out
+    for dtype in ("float32", "bfloat16"):
+        impls = {r.impl for r in rows if r.dtype == dtype}
+        assert {"moe_xpu fused", "IPEX GatedMLPMOE", "moe_xpu in GatedMLPMOE"} <= impls
+    assert any(r.impl.startswith("IPEX deepseek_moe") for r in rows if r.dtype == "float32")
+    if not _ipex_has_bf16():
+        assert "left out IPEX GatedMLPMOE prepacked (bfloat16)" in out
+    assert all(r.seconds > 0 for r in rows)
