@@ -250,6 +250,11 @@ def _optimized(family: str, dtype: torch.dtype):
         pytest.skip(NO_IPEX_BF16)
     if family == "deepseek_v3" and dtype == torch.float32:
         pytest.skip("IPEX's DeepSeek gate takes bfloat16, float16 or float8 weights only")
+    if family == "deepseek_v3":
+        # Seen on an AVX-512-BF16 host: ipex.llm.optimize reads fields of DeepSeek's own modeling file
+        # (trust_remote_code) that transformers' DeepseekV3 lacks (YaRN mscale, MoE ep_rank, attention
+        # q_head_dim, generation inputs) and fails before any MoE step runs.
+        pytest.skip("IPEX 2.8's DeepSeek-V3 path needs DeepSeek's remote-code model, not transformers' DeepseekV3")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval().to(dtype)
     return ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=False)
