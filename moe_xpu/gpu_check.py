@@ -32,6 +32,9 @@ from moe_xpu import _runtime
 DEFAULT_TARGETS = ("pvc", "bmg", "lnl", "dg2", "mtl", "ptl")
 DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"),
                ("float16", "float16"), ("float16", "float32"))
+# Quantized weights (B format, output dtype): float32 output bundles hold every activation dtype
+# (and W8A8 for int8), bfloat16 ones the bf16 activations models run in.
+QUANT_PAIRS = tuple((fmt, out) for fmt in ("int8", "int4", "fp8_e4m3", "mxfp4") for out in ("bfloat16", "float32"))
 COMPILER_PACKAGES = ("intel-ocloc", "libigc2", "libigdfcl2", "libigdgmm12",
                      "libc6", "libstdc++6", "libgcc-s1", "zlib1g")
 COMPILER_SUITES = ("forky", "sid")  # Debian testing, then unstable
@@ -212,7 +215,7 @@ def demangle(names: list[str]) -> dict[str, str]:
 
 def _canonical(name: str) -> str:
     """A variant name as the demangler spells it (uint16_t and sycl::half are typedefs)."""
-    return (name.replace("uint16_t", "unsigned short")
+    return (name.replace("uint16_t", "unsigned short").replace("int8_t", "signed char")
             .replace("sycl::_V1::detail::half_impl::half", "sycl::half").replace(" ", ""))
 
 
@@ -258,7 +261,7 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
     for target in targets:
         description = C.gpu_description(target)
         limit = description["local_mem_size"]
-        for dtype, out_dtype in DTYPE_PAIRS:
+        for dtype, out_dtype in DTYPE_PAIRS + QUANT_PAIRS:
             dt, odt = getattr(C.DType, dtype), getattr(C.DType, out_dtype)
             names = tuple(C.bundle_kernel_names(0, target, dt, odt))
             if names not in spirv_of:
@@ -288,7 +291,7 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
             for name in names:
                 if name not in built:
                     failures.append(f"{target} {label}: {name} is missing from the compiled module")
-            if description["matrix_shapes"] and dtype != "float32" and not any("moe_gemm_matrix" in n for n in names):
+            if description["matrix_shapes"] and dtype in ("bfloat16", "float16") and not any("moe_gemm_matrix" in n for n in names):
                 failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
             for name, b in sorted(built.items()):
                 b.name = name

@@ -161,6 +161,11 @@ def gemm_args(
         _launcher_dtype(out.dtype), a.data_ptr(), a.stride(0), a.shape[0], b.data_ptr(), stride_e, stride_k,
         stride_n, out.data_ptr(), out.stride(0), out.shape[0], group_offsets.data_ptr(),
         group_offsets.dtype == torch.int64, E, K, N)
+    return set_optional_inputs(args, gather_index, bias)
+
+
+def set_optional_inputs(args, gather_index: torch.Tensor | None, bias: torch.Tensor | None):
+    """Points the launcher's arguments at the index table and the bias, where given."""
     if gather_index is not None:
         args.gather_index = gather_index.data_ptr()
         args.gather_is_int64 = gather_index.dtype == torch.int64
@@ -266,9 +271,11 @@ def _moe_gemm_fake(a, b, group_offsets, gather_index=None, bias=None, out_dtype=
 
 def moe_gemm(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b,
     group_offsets: torch.Tensor,
     *,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
     gather_index: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
@@ -284,7 +291,22 @@ def moe_gemm(
     (M == group_offsets[-1]), row i is ``a[gather_index[i]] @ b[g]``: the kernel reads token rows
     through the index, no gathered copy of ``a`` is made. ``bias`` [E, N] is added per group.
     Accumulation is in float32; out_dtype is None (a.dtype) or torch.float32.
+
+    Quantized weights: b may be a ``moe_xpu.QuantizedExperts`` (int8, int4, fp8, mxfp4; see
+    ``moe_xpu.quantize_experts``), dequantized in the kernel's k loop, or an int8 tensor [E, K, N]
+    with ``b_scale`` float32 [E, N] (one scale per output channel). With int8 weights, a may be int8
+    with ``a_scale`` float32 [T] (one scale per row, see ``moe_xpu.quantize_per_token``): W8A8,
+    int32 accumulation, the scales applied in the epilogue, output bfloat16 by default (or
+    float16, float32). Bias with quantized weights is any float dtype.
     """
+    if a_scale is not None or b_scale is not None or not isinstance(b, torch.Tensor) or b.dtype == torch.int8:
+        from moe_xpu import quant
+
+        q = quant.as_quantized(b, b_scale)
+        if q is None:
+            _fail(f"b must be a torch.Tensor or a moe_xpu.QuantizedExperts, got {type(b).__name__}")
+        return quant.moe_gemm_quantized(a, q, group_offsets, a_scale=a_scale, gather_index=gather_index, bias=bias,
+                                        out_dtype=out_dtype)
     resolved = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
     if _dispatch.direct_call_ok(a, b, group_offsets, gather_index, bias):
         return _ON_DEVICE[a.device.type](a, b, group_offsets, gather_index, bias, resolved)

@@ -40,7 +40,11 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<DType>(m, "DType")
       .value("float32", DType::float32)
       .value("float16", DType::float16)
-      .value("bfloat16", DType::bfloat16);
+      .value("bfloat16", DType::bfloat16)
+      .value("int8", DType::int8)
+      .value("int4", DType::int4)
+      .value("fp8_e4m3", DType::fp8_e4m3)
+      .value("mxfp4", DType::mxfp4);
 
   // The positional constructor fills the fields every launch sets in one call (the op layer's
   // per-call cost: one attribute set from Python costs about as much as this whole call).
@@ -89,6 +93,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("scatter_index", &GemmArgs::scatter_index)
       .def_readwrite("scatter_is_int64", &GemmArgs::scatter_is_int64)
       .def_readwrite("row_weight", &GemmArgs::row_weight)
+      .def_readwrite("b_scale", &GemmArgs::b_scale)
+      .def_readwrite("scale_stride_e", &GemmArgs::scale_stride_e)
+      .def_readwrite("scale_stride_n", &GemmArgs::scale_stride_n)
+      .def_readwrite("scale_stride_k", &GemmArgs::scale_stride_k)
+      .def_readwrite("scale_block_n", &GemmArgs::scale_block_n)
+      .def_readwrite("scale_block_k", &GemmArgs::scale_block_k)
+      .def_readwrite("b_zero", &GemmArgs::b_zero)
+      .def_readwrite("a_scale", &GemmArgs::a_scale)
       .def_readwrite("tile_m", &GemmArgs::tile_m)
       .def_readwrite("tile_n", &GemmArgs::tile_n)
       .def_readwrite("num_workers", &GemmArgs::num_workers)

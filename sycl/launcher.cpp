@@ -275,15 +275,24 @@ std::string kernel_source_text() {
   return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
+// The kernels' shared headers, handed to the runtime compiler as include files.
+syclex::include_files kernel_headers() {
+  syclex::include_files headers;
+  headers.add("common.hpp", kKernelCommonHeader);
+  headers.add("scheduler.hpp", kKernelSchedulerHeader);
+  headers.add("epilogue.hpp", kKernelEpilogueHeader);
+  return headers;
+}
+
 // SYCL source compiled by the runtime compiler for the queue's device, with the kernels' shared
-// header as an include file (no device libraries: the kernels need none, and loading them costs
+// headers as include files (no device libraries: the kernels need none, and loading them costs
 // build time).
 sycl::kernel_bundle<sycl::bundle_state::executable> build_source(sycl::queue& q, const std::string& source,
                                                                  const std::vector<std::string>& names,
                                                                  std::string* log) {
   auto src = syclex::create_kernel_bundle_from_source(
       q.get_context(), syclex::source_language::sycl, source,
-      syclex::properties{syclex::include_files{"common.hpp", kKernelCommonHeader}});
+      syclex::properties{kernel_headers()});
   return syclex::build(src, std::vector<sycl::device>{q.get_device()},
                        syclex::properties{syclex::build_options{std::vector<std::string>{"-fno-sycl-device-lib=all"}},
                                           syclex::save_log{log}, syclex::registered_names{names}});
@@ -299,7 +308,8 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
 
   // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
   // each target its own cache directory.)
-  std::string source = kernel_source_text() + "\n" + kMoeGemmWgradSource + "\n";
+  std::string source = is_quantized(t) ? std::string(kMoeGemmQuantSource) + "\n"
+                                       : kernel_source_text() + "\n" + kMoeGemmWgradSource + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);
@@ -412,10 +422,24 @@ void moe_gemm(const GemmArgs& args) {
                       : nullptr;
 
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
-  const bool k_lanes = args.b_stride_k == 1;
-  const std::int64_t b_stride_other = k_lanes ? args.b_stride_n : args.b_stride_k;
   const std::int64_t wg = plan.work_group_size;
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
+  if (is_quantized(args.dtype)) {
+    const GemmArgs& x = args;
+    sycl::event done = q.submit([&](sycl::handler& h) {
+      h.set_args(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.b),
+                 x.b_stride_e, x.b_stride_n, x.b_stride_k, ptr(x.b_scale), x.scale_stride_e, x.scale_stride_n,
+                 x.scale_stride_k, x.scale_block_n, x.scale_block_k, ptr(x.b_zero), ptr(x.a_scale), ptr(x.bias),
+                 x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows, ptr(x.group_offsets),
+                 int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset,
+                 ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));
+      h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
+    });
+    if (args.queue == 0) done.wait_and_throw();
+    return;
+  }
+  const bool k_lanes = args.b_stride_k == 1;
+  const std::int64_t b_stride_other = k_lanes ? args.b_stride_n : args.b_stride_k;
   sycl::event done = q.submit([&](sycl::handler& h) {
     h.set_args(ptr(args.a), args.a_row_stride, args.a_rows, ptr(args.gather_index),
                int(args.gather_is_int64), ptr(args.b), args.b_stride_e, b_stride_other,
@@ -564,8 +588,9 @@ std::vector<std::string> spirv_modules(const std::string& variants_for, DType dt
 const char* kernel_source() { return kMoeGemmSource; }
 
 std::vector<std::pair<std::string, std::string>> kernel_files() {
-  return {{"common.hpp", kKernelCommonHeader}, {"moe_gemm.cpp", kMoeGemmSource},
-          {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}};
+  return {{"common.hpp", kKernelCommonHeader},     {"scheduler.hpp", kKernelSchedulerHeader},
+          {"epilogue.hpp", kKernelEpilogueHeader}, {"moe_gemm.cpp", kMoeGemmSource},
+          {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}, {"moe_gemm_quant.cpp", kMoeGemmQuantSource}};
 }
 
 }  // namespace moe_xpu

@@ -9,7 +9,12 @@
 
 namespace moe_xpu {
 
-enum class DType : int { float32 = 0, float16 = 1, bfloat16 = 2 };
+// Element types of A, B and the output. int8 is A's (W8A8) or B's; int4, fp8_e4m3 and mxfp4 are
+// quantized weight formats of B (see sycl/kernels/moe_gemm_quant.cpp).
+enum class DType : int { float32 = 0, float16 = 1, bfloat16 = 2, int8 = 3, int4 = 4, fp8_e4m3 = 5, mxfp4 = 6 };
+
+// B is stored quantized (the quantized kernel family runs).
+inline bool is_quantized(DType t) { return static_cast<int>(t) >= static_cast<int>(DType::int8); }
 
 // Everything one grouped GEMM launch needs; pointers are device (or, on the CPU device, host)
 // addresses, strides are in elements. Filled in by the Python op layer.
@@ -44,6 +49,17 @@ struct GemmArgs {
   std::uintptr_t scatter_index = 0;  // 0 = none: output row m is written to row scatter_index[m]
   bool scatter_is_int64 = false;
   std::uintptr_t row_weight = 0;  // float32 [out_rows], indexed by destination row; 0 = none
+  // Quantized B (dtype int8, int4, fp8_e4m3 or mxfp4): B's strides count bytes (int8, fp8) or
+  // 32-bit words of eight 4-bit values (int4, mxfp4; K is walked through the words' own order).
+  // Scale (float32; uint8 exponents for mxfp4) and zero point (uint8, int4 only; 0 = none) of
+  // element (g, n, k) sit at g * scale_stride_e + (n / scale_block_n) * scale_stride_n +
+  // (k / scale_block_k) * scale_stride_k. a_scale: float32 per row of A (W8A8: int8 A). Bias is
+  // float32 with quantized B.
+  std::uintptr_t b_scale = 0;
+  std::int64_t scale_stride_e = 0, scale_stride_n = 0, scale_stride_k = 0;
+  std::int64_t scale_block_n = 1, scale_block_k = 1;
+  std::uintptr_t b_zero = 0;
+  std::uintptr_t a_scale = 0;
   // Overrides for tuning and tests; 0 = chosen by the heuristic.
   int tile_m = 0;
   int tile_n = 0;

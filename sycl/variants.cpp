@@ -15,11 +15,27 @@ const char* type_name(DType t) {
     case DType::float32: return "float";
     case DType::float16: return "sycl::half";
     case DType::bfloat16: return "uint16_t";
+    case DType::int8: return "int8_t";
+    case DType::int4:
+    case DType::fp8_e4m3:
+    case DType::mxfp4: break;
   }
   throw std::invalid_argument("moe_xpu: unknown dtype");
 }
 
-constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in moe_gemm.cpp
+// The format tag of quantized B in moe_gemm_quant.cpp.
+const char* format_name(DType t) {
+  switch (t) {
+    case DType::int8: return "moe_xpu::Int8Weights";
+    case DType::int4: return "moe_xpu::Int4Weights";
+    case DType::fp8_e4m3: return "moe_xpu::Fp8Weights";
+    case DType::mxfp4: return "moe_xpu::Mxfp4Weights";
+    default: break;
+  }
+  throw std::invalid_argument("moe_xpu: not a quantized weight format");
+}
+
+constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in scheduler.hpp
 // The tile shapes compiled into every bundle, per kernel. K-split (k_lanes, plain and gated
 // alike; the gated epilogue needs an even TN: gate and up columns in pairs): {1, 8} decode,
 // {6, 4} otherwise (3-7% faster than {8, 3} and {4, 6} in float32 at 16 and 64 rows per expert,
@@ -118,6 +134,13 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
     case Family::k_lanes_gated:
       if (d.is_cpu) return {std::begin(cpu_tile_table(d).k_lanes), std::end(cpu_tile_table(d).k_lanes)};
       return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
+    // The quantized kernels split K like k_lanes and take its CPU register tiles. On GPUs their
+    // dequantization keeps more values live per column: k_lanes' {6, 4} spilled 0.9-2.2 KB per
+    // thread on dg2 and mtl for the 4-bit formats (python -m moe_xpu.gpu_check), {2, 4} does not.
+    case Family::quant:
+    case Family::quant_gated:
+      if (d.is_cpu) return {std::begin(cpu_tile_table(d).k_lanes), std::end(cpu_tile_table(d).k_lanes)};
+      return {TileShape{1, 8}, TileShape{2, 4}};
     case Family::n_lanes:
       if (d.is_cpu) return {std::begin(cpu_tile_table(d).n_lanes), std::end(cpu_tile_table(d).n_lanes)};
       return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
@@ -190,7 +213,9 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::matrix:
     case Family::matrix_gated:
     case Family::matrix_kn:
-    case Family::wgrad: return 0;
+    case Family::wgrad:
+    case Family::quant:
+    case Family::quant_gated: return 0;
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -204,6 +229,11 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
   }
   if (f == Family::wgrad) {
     args << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+    return args.str();
+  }
+  if (f == Family::quant || f == Family::quant_gated) {
+    args << type_name(a) << ", " << format_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", "
+         << s.tile_n << ", " << (f == Family::quant_gated ? "true" : "false");
     return args.str();
   }
   if (f == Family::matrix || f == Family::matrix_gated) {
@@ -230,6 +260,8 @@ std::string kernel_base(Family f) {
     case Family::matrix_gated: return "matrix";
     case Family::matrix_kn: return "matrix_kn";
     case Family::wgrad: return "wgrad";
+    case Family::quant:
+    case Family::quant_gated: return "quant";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -311,7 +343,30 @@ int sub_group_size(const Variant& v, const DeviceDescription& d) {
                                                                         : int(kSubGroupSize);
 }
 
+namespace {
+
+// The A dtypes a quantized bundle (B format t, output out) compiles: activations of the output's
+// dtype (and, for float32 output, bf16 and fp16 ones), and int8 (W8A8) for int8 B.
+std::vector<DType> quant_a_dtypes(DType t, DType out) {
+  std::vector<DType> a{out};
+  if (out == DType::float32) a.insert(a.end(), {DType::bfloat16, DType::float16});
+  if (t == DType::int8) a.push_back(DType::int8);
+  return a;
+}
+
+}  // namespace
+
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
+  if (is_quantized(out) || out == DType::int8) throw std::invalid_argument("moe_xpu: the output dtype must be a float type");
+  if (is_quantized(t)) {
+    std::vector<Variant> variants;
+    for (DType a : quant_a_dtypes(t, out))
+      for (Family f : {Family::quant, Family::quant_gated}) {
+        if (f == Family::quant_gated && a == DType::int8) continue;  // the fused MoE runs weight-only
+        for (TileShape s : family_tiles(f, d)) variants.push_back(Variant{f, a, t, out, s});
+      }
+    return variants;
+  }
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
   if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
@@ -336,7 +391,49 @@ std::int64_t local_memory_bytes(const Variant& v, const DeviceDescription& d) {
   return family_local_memory_bytes(v.family, v.shape, d);
 }
 
+namespace {
+
+// The plan of a launch with quantized B: the quantized family (gated with an activation), the
+// k_lanes tile choice and worker count.
+LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
+  const std::vector<DType> a_types = quant_a_dtypes(args.dtype, args.out_dtype);
+  if (std::find(a_types.begin(), a_types.end(), args.a_dtype) == a_types.end())
+    throw std::invalid_argument("moe_xpu: quantized B takes A of the output dtype, bf16 or fp16 A with float32 output, "
+                                "or int8 A with int8 B");
+  const bool gated = args.activation != 0;
+  if (gated && args.a_dtype == DType::int8)
+    throw std::invalid_argument("moe_xpu: the gated epilogue with quantized B takes float activations");
+  const Family family = gated ? Family::quant_gated : Family::quant;
+  const double rows_per_group =
+      args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
+  TileShape shape = choose_tile(family, d, rows_per_group, args.N);
+  if (args.tile_m != 0 || args.tile_n != 0) {
+    bool found = false;
+    for (TileShape s : family_tiles(family, d))
+      if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) shape = s, found = true;
+    if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
+  }
+  LaunchPlan plan;
+  plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
+  plan.tile_m = shape.tile_m;
+  plan.tile_n = gated ? shape.tile_n / 2 : shape.tile_n;
+  plan.sub_group_size = int(kSubGroupSize);
+  // As the float kernels: one sub-group per work-group and 16 workers per core on the CPU, 4
+  // sub-groups per work-group and 32 workers per compute unit on GPUs.
+  const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
+  plan.work_group_size = subgroups_per_wg * kSubGroupSize;
+  const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
+  const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
+  const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
+  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
+  plan.num_workers = worker_count(d, d.is_cpu ? 16 : 32, flops, args.num_workers, max_units, subgroups_per_wg);
+  return plan;
+}
+
+}  // namespace
+
 LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
+  if (is_quantized(args.dtype)) return plan_quant(args, d);
   if (args.b_stride_k != 1 && args.b_stride_n != 1)
     throw std::invalid_argument("moe_xpu: b must be contiguous along K or along N");
   const bool k_lanes = args.b_stride_k == 1;

@@ -19,7 +19,8 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
 // is gated (wgrad: the weight gradient, moe_gemm_wgrad.cpp); bf16 runs on the matrix engine where there is one (see has_matrix_engine and
 // plan_for), with one matrix kernel per B layout.
-enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad };
+// quant / quant_gated: quantized B (moe_gemm_quant.cpp), K-split like k_lanes.
+enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).
@@ -51,7 +52,7 @@ bool engine_takes(const DeviceDescription& d, DType t);
 // The sub-group size a variant is written for (and required to compile with).
 int sub_group_size(const Variant& v, const DeviceDescription& d);
 // Every variant the launcher can pick on device d for one (B dtype, output dtype) pair: one
-// bundle, one compiler run.
+// bundle, one compiler run. Quantized B dtypes have bundles of their own (the quantized family).
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType b, DType out);
 std::string kernel_name(const Variant& v, const DeviceDescription& d);
 std::string kernel_instantiation(const Variant& v, const DeviceDescription& d);

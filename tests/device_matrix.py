@@ -48,6 +48,9 @@ TEST_FILES = [
     "tests/test_transformers_integration.py",
     "tests/test_portability.py",
     "tests/test_gpu_variants.py",
+    # the quantized kernels: every format on the breaking shapes, and W8A8
+    "tests/test_quant.py::test_formats_float32_on_breaking_shapes",
+    "tests/test_quant.py::test_w8a8",
 ]
 
 # An odd worker count: share boundaries fall mid-group and mid-unit (the default is even).

@@ -19,137 +19,16 @@
 // All addresses are 64-bit offsets from the base pointers; no per-group pointer arrays.
 // Each output element is produced by exactly one work-item with a fixed k order, so results
 // are bitwise reproducible.
-#include "common.hpp"
+#include "epilogue.hpp"
+#include "scheduler.hpp"
 
 namespace moe_xpu {
 
-
-// What a work unit costs, in vector-FMA issue slots per k step: each of its row tiles issues
-// row_tile FMAs, and reading its B slice from memory takes `stream` (see unit_cost).
-struct UnitCost {
-  int64_t row_tile;
-  int64_t stream;
-};
-
-// Unit costs of a kernel whose row tiles are TM x TN vectors of B elements of type T. A k step
-// reads TN vectors of 16 B elements (16 * sizeof(T) bytes each) and issues TM * TN FMAs. A CPU
-// core streams about 4.5 bytes per cycle from memory and issues 2 vector FMAs per cycle, so a
-// column's read costs 16 * sizeof(T) / 4.5 * 2 ~ 7 * sizeof(T) FMA slots: a decode unit (1 x 8,
-// float: 8 vs 224) is almost all streaming; a float prefill unit of three 6 x 4 row tiles (72)
-// costs about two thirds of its B read (112).
-// Weighing both keeps workers balanced when experts hold very different numbers of rows.
-template <typename T, int TM, int TN>
-constexpr UnitCost unit_cost() {
-  return UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * int64_t(sizeof(T))};
-}
-
-// Calls unit(g, row_begin, rows, m_first, m_last, n_tile) for every work unit this worker owns:
-// row tiles [m_first, m_last) of group g (rows [row_begin, row_begin + rows)) at column tile
-// n_tile. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
-// tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
-// ordered group by group, row block by row block, column tile by column tile, and each worker
-// owns the units that start in its equal share of the total cost (row tiles plus B streaming,
-// see UnitCost): balanced however skewed the routing. A worker's consecutive units share their
-// rows of A and read adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
-// offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
-// offsets can never address memory out of range (the host validates them where it can do so
-// without a synchronisation).
-template <typename UnitFn>
-inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void* group_offsets,
-                                int offsets_is64, int64_t num_groups, int64_t out_rows,
-                                int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
-                                UnitCost cost_of, UnitFn&& unit) {
-  // The tail group only stores zeros: a row tile costs one slot and there is no B to stream.
-  auto row_tile_cost = [&](int64_t g) { return g < num_groups ? cost_of.row_tile : int64_t(1); };
-  auto stream_cost = [&](int64_t g) { return g < num_groups ? cost_of.stream : int64_t(0); };
-  int64_t total = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
-                 [&](int64_t g, int64_t, int64_t, int64_t tiles_m, int64_t blocks_m) {
-                   total += tiles_n * (tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g));
-                   return true;
-                 });
-  const int64_t first = total * worker / num_workers;
-  const int64_t last = total * (worker + 1) / num_workers;
-  int64_t group_cost_base = 0;
-  for_each_group(
-      group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
-      [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m) {
-        const int64_t base = group_cost_base;
-        group_cost_base += tiles_n * (tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g));
-        if (group_cost_base <= first) return true;
-        // Row block by row block, each across all column tiles: a worker's consecutive units
-        // share their rows of A (kept in cache) and read adjacent slices of B.
-        int64_t block_base = base;
-        for (int64_t block = 0; block < blocks_m; ++block) {
-          const int64_t m_first = block * tiles_per_unit;
-          const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
-          const int64_t unit_cost = (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
-          const int64_t block_end = block_base + tiles_n * unit_cost;
-          if (block_end > first) {
-            for (int64_t n_tile = first > block_base ? (first - block_base) / unit_cost : 0; n_tile < tiles_n; ++n_tile) {
-              const int64_t cost = block_base + n_tile * unit_cost;  // the unit's start
-              if (cost >= last) return false;
-              if (cost >= first) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
-            }
-          }
-          block_base = block_end;
-        }
-        return group_cost_base < last;
-      });
-}
-
-// Rows a work unit covers at most: enough to read B once in prefill, few enough that one
-// expert taking every row still spreads over many units.
-constexpr int64_t kUnitRows = 64;
 // Row tiles from which a K-split unit walks K in long chunks (see moe_gemm_k_lanes).
 constexpr int64_t kLongChunkTiles = 6;
 // B rows up to this long are read one after another by the K-split kernel's one-row tiles.
 constexpr int64_t kShortRowBytes = 2048;
 
-
-// Reduces 16 per-lane vectors at once: afterwards lane l holds the sub-group sum of v[l].
-// The working set is a sycl::vec, not an array: selecting between two array elements by a
-// per-lane condition lets the compiler turn the pair of loads into one load through a per-lane
-// pointer, which forces the array (and the accumulators feeding it) out of registers into
-// scatter/gather traffic; on the CPU device that cost more than the whole k loop of a tile.
-inline float transpose_reduce16(const sycl::sub_group& sg, int lane, const float (&in)[16]) {
-  sycl::vec<float, 16> v;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = in[i];
-#pragma unroll
-  for (int h = 8; h >= 1; h >>= 1) {
-    const bool upper = (lane & h) != 0;
-#pragma unroll
-    for (int i = 0; i < h; ++i) {
-      const float lo = v[i], hi = v[i + h];
-      v[i] = (upper ? hi : lo) + sycl::permute_group_by_xor(sg, upper ? lo : hi, h);
-    }
-  }
-  return v[0];
-}
-
-// What happens to a finished tile element before it is stored (the fused-MoE epilogues).
-enum Activation : int { kNone = 0, kSilu = 1, kGeluTanh = 2 };
-
-inline float activate(int activation, float x) {
-  if (activation == kSilu) return x / (1.0f + sycl::exp(-x));
-  // gelu with the tanh approximation (torch's approximate="tanh")
-  const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  return 0.5f * x * (1.0f + sycl::tanh(inner));
-}
-
-// Output row m goes to row scatter_index[m] (when given), scaled by row_weight[that row].
-struct RowTarget {
-  int64_t row;
-  float weight;
-};
-
-inline RowTarget row_target(const void* scatter_index, int scatter_is64, const float* row_weight,
-                            int64_t m, int64_t out_rows) {
-  const int64_t row =
-      scatter_index == nullptr ? m : clamp64(load_index(scatter_index, scatter_is64, m), 0, out_rows - 1);
-  return RowTarget{row, row_weight == nullptr ? 1.0f : row_weight[row]};
-}
 
 // One k step of a vector kernel's tile: acc[i][j] += A[row i][k] * bv[j], rows in order, so every
 // accumulator sees its k values in ascending order whatever the tile or chunking.
@@ -344,52 +223,8 @@ inline void k_lanes_tile(const VectorArgs<TA, T, TOut>& p, const Worker& w, int6
         for (int i = 0; i < R; ++i) acc[i][j] += bj;
       }
   }
-  // Cross-lane sums, 16 tile elements at a time (all lanes take part: uniform control flow).
-  // Element order: plain tiles row-major (i, j); gated tiles all gate elements (i, j <
-  // out_cols) row-major, then the matching up elements. After the butterfly, element e sits
-  // on lane e % 16 of sums[e / 16].
-  constexpr int kElems = R * TN;
-  constexpr int kSets = (kElems + 15) / 16;
-  float sums[kSets];
-  #pragma unroll
-  for (int set = 0; set < kSets; ++set) {
-    float v[16];
-    #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int idx = set * 16 + e;
-      if (idx >= kElems) {
-        v[e] = 0.0f;
-      } else if (gated) {
-        constexpr int half = R * (TN / 2);
-        const int r = idx < half ? idx : idx - half;
-        v[e] = acc[r / (TN / 2)][r % (TN / 2) + (idx < half ? 0 : TN / 2)];
-      } else {
-        v[e] = acc[idx / TN][idx % TN];
-      }
-    }
-    sums[set] = transpose_reduce16(w.sg, w.lane, v);
-  }
-  constexpr int outputs = R * out_cols;
-  #pragma unroll
-  for (int set = 0; set * 16 < outputs; ++set) {
-    const int o = set * 16 + w.lane;  // this lane's output element
-    float v = sums[set];
-    if (gated) {  // fetch the up element o + outputs from its lane
-      const int partner = o + outputs;
-      float up = 0.0f;
-      #pragma unroll
-      for (int q = 0; q < kSets; ++q) {
-        const float candidate = sycl::select_from_group(w.sg, sums[q], partner % 16);
-        up = q == partner / 16 ? candidate : up;
-      }
-      v = activate(activation, v) * up;
-    }
-    const int i = o / out_cols, j = o % out_cols;
-    if (o < outputs && i < valid_rows && n0 + j < N) {
-      const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-      out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(v * t.weight);
-    }
-  }
+  k_split_epilogue<R, TN, Gated>(w, acc, activation, m0, valid_rows, n0, N, out, out_row_stride, out_rows,
+                                 scatter_index, scatter_is64, row_weight);
 }
 
 // Variant for B stored with K contiguous (b_stride_k == 1), e.g. nn.Linear weights [E, N, K]

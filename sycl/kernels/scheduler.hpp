@@ -1,0 +1,89 @@
+// The persistent work-group scheduler shared by the forward kernel families (moe_gemm.cpp, the
+// quantized moe_gemm_quant.cpp): a fixed set of workers walks the cumulative group offsets on the
+// device and each takes the work units that start in its equal share of the total cost. Handed to
+// the runtime compiler as an include file.
+#pragma once
+
+#include "common.hpp"
+
+namespace moe_xpu {
+
+// What a work unit costs, in vector-FMA issue slots per k step: each of its row tiles issues
+// row_tile FMAs, and reading its B slice from memory takes `stream` (see unit_cost).
+struct UnitCost {
+  int64_t row_tile;
+  int64_t stream;
+};
+
+// Unit costs of a kernel whose row tiles are TM x TN vectors of B elements of type T. A k step
+// reads TN vectors of 16 B elements (16 * sizeof(T) bytes each) and issues TM * TN FMAs. A CPU
+// core streams about 4.5 bytes per cycle from memory and issues 2 vector FMAs per cycle, so a
+// column's read costs 16 * sizeof(T) / 4.5 * 2 ~ 7 * sizeof(T) FMA slots: a decode unit (1 x 8,
+// float: 8 vs 224) is almost all streaming; a float prefill unit of three 6 x 4 row tiles (72)
+// costs about two thirds of its B read (112).
+// Weighing both keeps workers balanced when experts hold very different numbers of rows.
+template <typename T, int TM, int TN>
+constexpr UnitCost unit_cost() {
+  return UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * int64_t(sizeof(T))};
+}
+
+// Calls unit(g, row_begin, rows, m_first, m_last, n_tile) for every work unit this worker owns:
+// row tiles [m_first, m_last) of group g (rows [row_begin, row_begin + rows)) at column tile
+// n_tile. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
+// tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
+// ordered group by group, row block by row block, column tile by column tile, and each worker
+// owns the units that start in its equal share of the total cost (row tiles plus B streaming,
+// see UnitCost): balanced however skewed the routing. A worker's consecutive units share their
+// rows of A and read adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
+// offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
+// offsets can never address memory out of range (the host validates them where it can do so
+// without a synchronisation).
+template <typename UnitFn>
+inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void* group_offsets,
+                                int offsets_is64, int64_t num_groups, int64_t out_rows,
+                                int64_t tile_m, int64_t tiles_per_unit, int64_t tiles_n,
+                                UnitCost cost_of, UnitFn&& unit) {
+  // The tail group only stores zeros: a row tile costs one slot and there is no B to stream.
+  auto row_tile_cost = [&](int64_t g) { return g < num_groups ? cost_of.row_tile : int64_t(1); };
+  auto stream_cost = [&](int64_t g) { return g < num_groups ? cost_of.stream : int64_t(0); };
+  int64_t total = 0;
+  for_each_group(group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
+                 [&](int64_t g, int64_t, int64_t, int64_t tiles_m, int64_t blocks_m) {
+                   total += tiles_n * (tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g));
+                   return true;
+                 });
+  const int64_t first = total * worker / num_workers;
+  const int64_t last = total * (worker + 1) / num_workers;
+  int64_t group_cost_base = 0;
+  for_each_group(
+      group_offsets, offsets_is64, num_groups, out_rows, tile_m, tiles_per_unit,
+      [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t tiles_m, int64_t blocks_m) {
+        const int64_t base = group_cost_base;
+        group_cost_base += tiles_n * (tiles_m * row_tile_cost(g) + blocks_m * stream_cost(g));
+        if (group_cost_base <= first) return true;
+        // Row block by row block, each across all column tiles: a worker's consecutive units
+        // share their rows of A (kept in cache) and read adjacent slices of B.
+        int64_t block_base = base;
+        for (int64_t block = 0; block < blocks_m; ++block) {
+          const int64_t m_first = block * tiles_per_unit;
+          const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
+          const int64_t unit_cost = (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
+          const int64_t block_end = block_base + tiles_n * unit_cost;
+          if (block_end > first) {
+            for (int64_t n_tile = first > block_base ? (first - block_base) / unit_cost : 0; n_tile < tiles_n; ++n_tile) {
+              const int64_t cost = block_base + n_tile * unit_cost;  // the unit's start
+              if (cost >= last) return false;
+              if (cost >= first) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
+            }
+          }
+          block_base = block_end;
+        }
+        return group_cost_base < last;
+      });
+}
+
+// Rows a work unit covers at most: enough to read B once in prefill, few enough that one
+// expert taking every row still spreads over many units.
+constexpr int64_t kUnitRows = 64;
+
+}  // namespace moe_xpu
