@@ -300,6 +300,48 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, rou
     return rows
 
 
+QUANT_FORMATS = {"int8": {}, "int4": {"group_size": 128}, "fp8": {}, "mxfp4": {}}
+
+
+def bench_gemm_quant(cases, fmt: str, ceilings: Ceilings, repeats: int, layout: str, routing: str,
+                     flush: Callable[[], None] | None = None) -> list[Row]:
+    """moe_gemm on quantized weights (bfloat16 activations; for int8 also W8A8, the activations'
+    per-token quantization included in its time) beside moe_xpu's own bfloat16 and the bfloat16
+    peers. The roofline counts the quantized bytes: values plus scales of the touched experts."""
+    from moe_xpu import quant
+
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    for case in cases:
+        offsets = routed_offsets(case, gen, routing)
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        touched = int((counts > 0).sum())
+        a, b = gemm_inputs(case, dtype, gen, layout)
+        q = quant.quantize_experts(b, fmt, **QUANT_FORMATS[fmt])
+        impls = {f"moe_xpu {fmt}": lambda: moe_xpu.moe_gemm(a, q, offsets)}
+        if fmt == "int8":
+            def w8a8(a=a, q=q, offsets=offsets):
+                a8, a_scale = moe_xpu.quantize_per_token(a)
+                return moe_xpu.moe_gemm(a8, q, offsets, a_scale=a_scale, out_dtype=dtype)
+
+            impls["moe_xpu int8 W8A8"] = w8a8
+        impls.update(_available({
+            "moe_xpu bfloat16": lambda: moe_xpu.moe_gemm(a, b, offsets),
+            "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),
+        }))
+        flops = 2 * case.rows * case.K * case.N
+        times = median_times(impls, repeats, flush)
+        ours = times[f"moe_xpu {fmt}"]
+        for name, t in times.items():
+            weight_bytes = q.nbytes if name.startswith(f"moe_xpu {fmt}") or "W8A8" in name else b.numel() * 2
+            act_bytes = case.rows * case.K * (1 if "W8A8" in name else 2)
+            bytes_read = weight_bytes * touched / case.experts + act_bytes
+            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            rows.append(Row(case.name, f"bf16/{fmt}", name, t, flops / t / 1e9, 100 * roofline_s / t, t / ours))
+    return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeCase:
     name: str
@@ -659,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     parser.add_argument("--backward", action="store_true", help="gemm, moe: time the forward plus the "
                         "gradients of the inputs and weights (training)")
+    parser.add_argument("--quant", metavar="FORMATS", help="gemm: quantized weights, comma-separated formats "
+                        f"({', '.join(QUANT_FORMATS)}), beside moe_xpu's and the peers' bfloat16")
     args = parser.parse_args(argv)
     if args.isa is not None:
         code = isa.rerun_limited(args.isa, "moe_xpu.bench", sys.argv[1:] if argv is None else list(argv))
@@ -687,7 +731,17 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:  # build (or load) kernels outside the timed region
         moe_xpu.moe_gemm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype),
                          torch.ones(1, dtype=torch.int32))
-    if args.suite == "gemm":
+    if args.suite == "gemm" and args.quant:
+        formats = args.quant.split(",")
+        unknown = sorted(set(formats) - set(QUANT_FORMATS))
+        if unknown:
+            parser.error(f"unknown --quant format(s) {unknown}; known: {', '.join(QUANT_FORMATS)}")
+        rows = [r for fmt in formats for r in bench_gemm_quant(
+            [c for c in GEMM_CASES if c.name in wanted], fmt, ceilings, args.repeats, args.layout, args.routing, flush)]
+        title = (f"moe_gemm on quantized weights vs bfloat16, weights {args.layout}, {args.routing} routing, "
+                 f"{args.cache} cache, median of {args.repeats}")
+        speedup_of = "moe_xpu quantized"
+    elif args.suite == "gemm":
         rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats,
                           args.layout, args.routing, flush, args.backward)
         title = (f"moe_gemm{' forward + backward' if args.backward else ''} vs peers, weights {args.layout}, "

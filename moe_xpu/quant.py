@@ -241,6 +241,8 @@ def _check_container(q: QuantizedExperts) -> None:
     if data.dtype != expected_data:
         _fail(f"{q.format} data must be {expected_data}, got {data.dtype}")
     if q.format in ("int4", "mxfp4"):
+        if bk < 16 or bk & (bk - 1):
+            _fail(f"the {q.format} group size along K must be a power of two of at least 16, got {bk}")
         if K % bk != 0:
             _fail(f"K = {K} must be a multiple of the {q.format} group size {bk}")
         words = -(-K // PACKED_K) * 16
@@ -357,9 +359,11 @@ def quantize_experts(w: torch.Tensor, format: str, *, group_size: int = 128, zer
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127.0))
     exp = exp.clamp_(-127, 127)
     scaled = g / torch.pow(2.0, exp)[..., None]
-    table = _e2m1_table(wt.device)[:8]
-    mag = scaled.abs().clamp(max=6.0)
-    nearest = (mag[..., None] - table).abs().argmin(dim=-1)  # ties go to the smaller magnitude
+    mag = scaled.abs().clamp(max=6.0).contiguous()
+    # Round to the nearest e2m1 value, ties to the even code (0, 1, 2, 4 win their midpoints).
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=wt.device)
+    nearest = torch.bucketize(mag, midpoints)  # a value on a midpoint goes to the lower code
+    nearest += (mag == 0.75) | (mag == 1.75) | (mag == 3.5)  # ... unless the upper one is even
     nibbles = (nearest | ((scaled < 0).long() << 3)).to(torch.uint8).reshape(E, N, K)
     scales = (exp + 127).to(torch.uint8)
     return QuantizedExperts("mxfp4", pack_nibbles(nibbles), scales, None, (1, MXFP4_BLOCK), (E, K, N), k_contiguous)
@@ -423,6 +427,18 @@ def _container(q_data, q_scale, q_zero, format, K, N, block_n, block_k) -> Quant
     return QuantizedExperts(format, q_data, q_scale, q_zero, (block_n, block_k), (q_data.shape[0], K, N))
 
 
+_SYMMETRIC_ZEROS: dict = {}
+
+
+def _symmetric_zero(device: torch.device) -> torch.Tensor:
+    """The zero point of 4-bit values without their own (8: unsigned nibbles 0..15 stand for -8..7),
+    one byte per device the kernel reads with strides 0."""
+    zero = _SYMMETRIC_ZEROS.get(device)
+    if zero is None:
+        zero = _SYMMETRIC_ZEROS[device] = torch.full((1,), 8, dtype=torch.uint8, device=device)
+    return zero
+
+
 def _quant_args(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out):
     """The launcher's GemmArgs for quantized weights (strides of 8-bit data in bytes, of 4-bit data
     in words)."""
@@ -438,8 +454,10 @@ def _quant_args(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bi
     args.b_scale = scale.data_ptr()
     args.scale_stride_e, args.scale_stride_n, args.scale_stride_k = scale.stride()
     args.scale_block_n, args.scale_block_k = q.block
+    zero = q.zero if q.zero is not None else _symmetric_zero(a.device)
+    args.b_zero = zero.data_ptr()
     if q.zero is not None:
-        args.b_zero = q.zero.data_ptr()
+        args.zero_stride_e, args.zero_stride_n, args.zero_stride_k = zero.stride()
     if a_scale is not None:
         args.a_scale = a_scale.data_ptr()
     return ops.set_optional_inputs(args, gather_index, bias)

@@ -429,7 +429,8 @@ void moe_gemm(const GemmArgs& args) {
     sycl::event done = q.submit([&](sycl::handler& h) {
       h.set_args(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.b),
                  x.b_stride_e, x.b_stride_n, x.b_stride_k, ptr(x.b_scale), x.scale_stride_e, x.scale_stride_n,
-                 x.scale_stride_k, x.scale_block_n, x.scale_block_k, ptr(x.b_zero), ptr(x.a_scale), ptr(x.bias),
+                 x.scale_stride_k, x.scale_block_n, x.scale_block_k, ptr(x.b_zero), x.zero_stride_e, x.zero_stride_n,
+                 x.zero_stride_k, ptr(x.a_scale), ptr(x.bias),
                  x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows, ptr(x.group_offsets),
                  int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset,
                  ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));

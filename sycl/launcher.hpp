@@ -51,14 +51,16 @@ struct GemmArgs {
   std::uintptr_t row_weight = 0;  // float32 [out_rows], indexed by destination row; 0 = none
   // Quantized B (dtype int8, int4, fp8_e4m3 or mxfp4): B's strides count bytes (int8, fp8) or
   // 32-bit words of eight 4-bit values (int4, mxfp4; K is walked through the words' own order).
-  // Scale (float32; uint8 exponents for mxfp4) and zero point (uint8, int4 only; 0 = none) of
-  // element (g, n, k) sit at g * scale_stride_e + (n / scale_block_n) * scale_stride_n +
-  // (k / scale_block_k) * scale_stride_k. a_scale: float32 per row of A (W8A8: int8 A). Bias is
+  // Scale (float32; uint8 exponents for mxfp4) of element (g, n, k) sits at g * scale_stride_e +
+  // (n / scale_block_n) * scale_stride_n + (k / scale_block_k) * scale_stride_k; its zero point
+  // (uint8, read by the 4-bit formats: a single constant with strides 0 where there are none)
+  // likewise through the zero strides. a_scale: float32 per row of A (W8A8: int8 A). Bias is
   // float32 with quantized B.
   std::uintptr_t b_scale = 0;
   std::int64_t scale_stride_e = 0, scale_stride_n = 0, scale_stride_k = 0;
   std::int64_t scale_block_n = 1, scale_block_k = 1;
   std::uintptr_t b_zero = 0;
+  std::int64_t zero_stride_e = 0, zero_stride_n = 0, zero_stride_k = 0;
   std::uintptr_t a_scale = 0;
   // Overrides for tuning and tests; 0 = chosen by the heuristic.
   int tile_m = 0;

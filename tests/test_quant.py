@@ -325,3 +325,16 @@ def test_gpu_variants_run_on_the_cpu_device(fmt, kw, target, C):
 
     out = quant.run_quant(a, q, go, None, None, None, torch.float32, configure=on_gpu_target)
     assert_quant_close(out, a, q.dequantize(), go)
+
+
+def test_mxfp4_quantization_rounds_to_nearest_even():
+    """Every e2m1 value and every midpoint between two, scaled by 2^0 (a block whose largest
+    magnitude is 6, so the shared exponent is 0): values stay, midpoints go to the even code."""
+    values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    mids = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+    row = values + list(mids) + [-v for v in values[1:]] + [-m for m in mids] + [6.0] * 3
+    assert len(row) == 32
+    w = torch.tensor(row).reshape(1, 32, 1)  # [E, K, N]
+    d = moe_xpu.quantize_experts(w, "mxfp4").dequantize().flatten().tolist()
+    expected = values + list(mids.values()) + [-v for v in values[1:]] + [-v for v in mids.values()] + [6.0] * 3
+    assert d == expected

@@ -82,7 +82,8 @@ struct QuantArgs {
   const TA* a; int64_t a_row_stride; int64_t a_rows; const void* gather_index; int gather_is64;
   const void* b; int64_t b_stride_e; int64_t b_stride_n; int64_t b_stride_k;
   const void* scale; int64_t scale_stride_e; int64_t scale_stride_n; int64_t scale_stride_k;
-  int64_t scale_block_n; int64_t scale_block_k; const uint8_t* zero; const float* a_scale;
+  int64_t scale_block_n; int64_t scale_block_k; const uint8_t* zero; int64_t zero_stride_e;
+  int64_t zero_stride_n; int64_t zero_stride_k; const float* a_scale;
   const float* bias; int64_t bias_stride_e;
   TOut* out; int64_t out_row_stride; int64_t out_rows; const void* group_offsets; int offsets_is64;
   int64_t num_groups; int64_t K; int64_t N; int activation; int64_t up_offset;
@@ -93,10 +94,18 @@ struct QuantArgs {
 template <typename TA>
 using QuantAcc = std::conditional_t<std::is_same_v<TA, int8_t>, int32_t, float>;
 
+// B value as the accumulation takes it: the int8 itself for W8A8, else dequantized (times the
+// scale of its block).
+template <typename TA, typename Fmt>
+__attribute__((always_inline)) inline QuantAcc<TA> quant_b_value(uint8_t byte, float scale) {
+  if constexpr (std::is_same_v<TA, int8_t>) return int32_t(static_cast<int8_t>(byte));
+  else return Fmt::value(byte, 0.0f) * scale;
+}
+
 // acc[i][j] += A[row i][k] * bv[j] for one k of every row (rows past the tile repeat its last).
-template <int R, int TN, typename TA, typename TB>
+template <int R, int TN, typename TA>
 __attribute__((always_inline)) inline void quant_step(QuantAcc<TA> (&acc)[R][TN], const TA* const (&a_row)[R],
-                                                      int64_t k, float keep, const TB (&bv)[TN]) {
+                                                      int64_t k, const QuantAcc<TA> (&bv)[TN]) {
   #pragma unroll
   for (int i = 0; i < R; ++i) {
     if constexpr (std::is_same_v<TA, int8_t>) {
@@ -104,25 +113,59 @@ __attribute__((always_inline)) inline void quant_step(QuantAcc<TA> (&acc)[R][TN]
       #pragma unroll
       for (int j = 0; j < TN; ++j) acc[i][j] += av * bv[j];
     } else {
-      const float av = keep * to_float(a_row[i][k]);
+      const float av = to_float(a_row[i][k]);
       #pragma unroll
       for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, bv[j], acc[i][j]);
     }
   }
 }
 
+// One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized with
+// the scale and zero point of their block (uniform across the sub-group: scalar loads).
+template <int R, int TN, typename TA, typename Fmt>
+__attribute__((always_inline)) inline void packed_step(float (&acc)[R][TN], const TA* const (&a_row)[R],
+                                                       const uint32_t (&word)[TN], int r, int64_t k0, int lane,
+                                                       int block_shift, const void* scale,
+                                                       const int64_t (&scale_at)[TN], int64_t scale_stride_k,
+                                                       const uint8_t* zero, const int64_t (&zero_at)[TN],
+                                                       int64_t zero_stride_k) {
+  const int64_t block = k0 >> block_shift;
+  float bv[TN];
+  #pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    const float z = float(zero[zero_at[j] + block * zero_stride_k]);
+    bv[j] = Fmt::value((word[j] >> (4 * r)) & 0xfu, z) * Fmt::scale(scale, scale_at[j] + block * scale_stride_k);
+  }
+  quant_step<R, TN, TA>(acc, a_row, k0 + lane, bv);
+}
+
 // One R x TN tile at rows m0 .. m0 + valid_rows - 1 of group g, column tile n_tile.
+// (Written like k_lanes_tile: the arguments read into scalars first, loops without lambdas. Read
+// through the struct or captured by lambdas, the CPU compiler kept the accumulators and scales in
+// per-lane memory and gathered every access: 30x slower.)
 template <int R, int TN, bool Gated, typename TA, typename Fmt, typename TOut>
-inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g, int64_t m0,
+__attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g, int64_t m0,
                        int64_t valid_rows, int64_t n_tile) {
   constexpr bool w8a8 = std::is_same_v<TA, int8_t>;
   constexpr int out_cols = Gated ? TN / 2 : TN;
-  const int64_t n0 = n_tile * out_cols, K = p.K;
+  const TA* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
+  const void* gather_index = p.gather_index; const int gather_is64 = p.gather_is64;
+  const void* b = p.b; const int64_t b_stride_e = p.b_stride_e, b_stride_n = p.b_stride_n, b_stride_k = p.b_stride_k;
+  const void* scale = p.scale;
+  const int64_t scale_stride_e = p.scale_stride_e, scale_stride_n = p.scale_stride_n, scale_stride_k = p.scale_stride_k;
+  const int64_t scale_block_n = p.scale_block_n, scale_block_k = p.scale_block_k;
+  const uint8_t* zero = p.zero;
+  const int64_t zero_stride_e = p.zero_stride_e, zero_stride_n = p.zero_stride_n, zero_stride_k = p.zero_stride_k;
+  const float* a_scale = p.a_scale; const float* bias = p.bias; const int64_t bias_stride_e = p.bias_stride_e;
+  const int64_t K = p.K, N = p.N, up_offset = p.up_offset, num_groups = p.num_groups;
+  // (Broadcast from lane 0: the CPU compiler then treats the columns' scale addresses as uniform,
+  // scalar loads, instead of gathering them per lane.)
+  const int64_t n0 = sycl::group_broadcast(w.sg, n_tile * out_cols, 0);
   int64_t b_n[TN];  // the B column behind accumulator column j (gated: gate, then up columns)
   #pragma unroll
   for (int j = 0; j < TN; ++j) {
     const int64_t n = n0 + (Gated ? j % out_cols : j);
-    b_n[j] = (n < p.N ? n : p.N - 1) + (Gated && j >= out_cols ? p.up_offset : 0);
+    b_n[j] = (n < N ? n : N - 1) + (Gated && j >= out_cols ? up_offset : 0);
   }
   QuantAcc<TA> acc[R][TN];
   #pragma unroll
@@ -130,68 +173,102 @@ inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g,
     #pragma unroll
     for (int j = 0; j < TN; ++j) acc[i][j] = 0;
   float sums[R][TN];
-  if (g < p.num_groups) {
+  #pragma unroll
+  for (int i = 0; i < R; ++i)
+    #pragma unroll
+    for (int j = 0; j < TN; ++j) sums[i][j] = 0.0f;
+  if (g < num_groups) {
     const TA* a_row[R];
     #pragma unroll
     for (int i = 0; i < R; ++i) {  // rows past the group repeat its last row; not stored
       const int64_t m = m0 + (i < valid_rows ? i : valid_rows - 1);
-      a_row[i] = p.a + source_row(p.gather_index, p.gather_is64, m, p.a_rows) * p.a_row_stride;
+      a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
     }
-    // Each column's scales (and zero points) along K: element (k / scale_block_k) * scale_stride_k.
-    int64_t scale_at[TN];
+    // Each column's scales along K: element (k / scale_block_k) * scale_stride_k from scale_at[j];
+    // its zero points likewise (4-bit formats: the launcher points formats without them at one
+    // constant, strides 0).
+    int64_t scale_at[TN], zero_at[TN];
     #pragma unroll
-    for (int j = 0; j < TN; ++j)
-      scale_at[j] = g * p.scale_stride_e + (b_n[j] / p.scale_block_n) * p.scale_stride_n;
-    auto scale_of = [&](int j, int64_t k0) {  // k0: the sub-group's first k of a 16-k step
-      return Fmt::scale(p.scale, scale_at[j] + (k0 / p.scale_block_k) * p.scale_stride_k);
-    };
-    auto zero_of = [&](int j, int64_t k0) {
-      return p.zero == nullptr ? 8.0f : float(p.zero[scale_at[j] + (k0 / p.scale_block_k) * p.scale_stride_k]);
-    };
+    for (int j = 0; j < TN; ++j) {
+      scale_at[j] = sycl::group_broadcast(w.sg, g * scale_stride_e + (b_n[j] / scale_block_n) * scale_stride_n, 0);
+      zero_at[j] = sycl::group_broadcast(w.sg, g * zero_stride_e + (b_n[j] / scale_block_n) * zero_stride_n, 0);
+    }
     if constexpr (Fmt::kBits == 8) {
       const uint8_t* b_col[TN];
       #pragma unroll
-      for (int j = 0; j < TN; ++j)
-        b_col[j] = static_cast<const uint8_t*>(p.b) + g * p.b_stride_e + b_n[j] * p.b_stride_n;
-      // Whole 16-k steps unmasked; the K remainder as one masked step (lanes past K read k = K - 1
-      // and count zero).
-      for (int64_t k0 = 0; k0 < K; k0 += kLanes) {
-        const bool whole = k0 + kLanes <= K;
-        const int64_t k = whole || k0 + w.lane < K ? k0 + w.lane : K - 1;
-        const float keep = whole || k0 + w.lane < K ? 1.0f : 0.0f;
-        if constexpr (w8a8) {
-          int32_t bv[TN];
-          #pragma unroll
-          for (int j = 0; j < TN; ++j) bv[j] = keep != 0.0f ? int32_t(static_cast<int8_t>(b_col[j][k * p.b_stride_k])) : 0;
-          quant_step<R, TN, TA>(acc, a_row, k, keep, bv);
+      for (int j = 0; j < TN; ++j) b_col[j] = static_cast<const uint8_t*>(b) + g * b_stride_e + b_n[j] * b_stride_n;
+      // K in scale blocks (one, per channel), each column's scale read once a block. Whole 16-k
+      // steps unmasked; the K remainder (only ever at the end of K: blocks shorter than K are
+      // multiples of 16) as one masked step, lanes past K reading k = K - 1 and counting zero.
+      // B read with unit stride along K (the nn.Linear and checkpoint layout) has a loop of its
+      // own: with the stride a run-time value every read is a 16-lane gather.
+      const int64_t block_k = scale_block_k < K ? scale_block_k : K;
+      const bool unit = b_stride_k == 1;
+      for (int64_t kb = 0; kb < K; kb += block_k) {
+        const int64_t k_end = kb + block_k < K ? kb + block_k : K;
+        const int64_t k_whole = k_end - (k_end - kb) % kLanes;
+        float sc[TN];
+        #pragma unroll
+        for (int j = 0; j < TN; ++j) sc[j] = w8a8 ? 1.0f : Fmt::scale(scale, scale_at[j] + (kb / scale_block_k) * scale_stride_k);
+        if (unit) {
+          for (int64_t k0 = kb; k0 < k_whole; k0 += kLanes) {
+            const int64_t k = k0 + w.lane;
+            QuantAcc<TA> bv[TN];
+            #pragma unroll
+            for (int j = 0; j < TN; ++j) bv[j] = quant_b_value<TA, Fmt>(b_col[j][k], sc[j]);
+            quant_step<R, TN, TA>(acc, a_row, k, bv);
+          }
         } else {
-          float bv[TN];
+          for (int64_t k0 = kb; k0 < k_whole; k0 += kLanes) {
+            const int64_t k = k0 + w.lane;
+            QuantAcc<TA> bv[TN];
+            #pragma unroll
+            for (int j = 0; j < TN; ++j) bv[j] = quant_b_value<TA, Fmt>(b_col[j][k * b_stride_k], sc[j]);
+            quant_step<R, TN, TA>(acc, a_row, k, bv);
+          }
+        }
+        if (k_whole < k_end) {
+          const bool inside = k_whole + w.lane < K;
+          const int64_t k = inside ? k_whole + w.lane : K - 1;
+          QuantAcc<TA> bv[TN];  // zero past K (exactly, for the int32 sums)
           #pragma unroll
-          for (int j = 0; j < TN; ++j) bv[j] = Fmt::value(b_col[j][k * p.b_stride_k], 0.0f) * scale_of(j, k0);
-          quant_step<R, TN, TA>(acc, a_row, k, keep, bv);
+          for (int j = 0; j < TN; ++j) bv[j] = inside ? quant_b_value<TA, Fmt>(b_col[j][k * b_stride_k], sc[j]) : 0;
+          quant_step<R, TN, TA>(acc, a_row, k, bv);
         }
       }
     } else {
-      // 4-bit: K is a multiple of the scale block (>= 32), so every 16-k step is whole.
+      // 4-bit: K is a multiple of the scale block (a power of two of at least 16), so every 16-k
+      // step is whole and a step's block is k0 >> block_shift. Column pointers stay uniform and
+      // the lane indexes the word, so each column's 16 words are one contiguous load.
+      // (A loop, not sycl::clz: the CPU compiler treats the builtin's result as varying per lane,
+      // and every scale address after it became a gather.)
+      int block_shift = 0;
+      while ((int64_t(1) << block_shift) < scale_block_k) ++block_shift;
       const uint32_t* w_col[TN];
       #pragma unroll
       for (int j = 0; j < TN; ++j)
-        w_col[j] = static_cast<const uint32_t*>(p.b) + g * p.b_stride_e + b_n[j] * p.b_stride_n + w.lane;
-      for (int64_t kb = 0; kb < K; kb += kPackedK) {
+        w_col[j] = static_cast<const uint32_t*>(b) + sycl::group_broadcast(w.sg, g * b_stride_e + b_n[j] * b_stride_n, 0);
+      // Whole blocks of 128 k run their 8 steps unconditionally; a last short block (K a multiple
+      // of a smaller scale block) runs its steps in a loop of its own. (An `if (r < steps)` in the
+      // unrolled loop was compiled as divergent: every step masked, its values parked on the stack.)
+      const int64_t k_blocks_end = K - K % kPackedK;
+      for (int64_t kb = 0; kb < k_blocks_end; kb += kPackedK) {
         uint32_t word[TN];
         #pragma unroll
-        for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes];
-        const int steps = K - kb >= kPackedK ? 8 : int((K - kb) / kLanes);
+        for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + w.lane];
         #pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          if (r >= steps) break;
-          const int64_t k0 = kb + int64_t(kLanes) * r;
-          float bv[TN];
-          #pragma unroll
-          for (int j = 0; j < TN; ++j)
-            bv[j] = Fmt::value((word[j] >> (4 * r)) & 0xfu, zero_of(j, k0)) * scale_of(j, k0);
-          quant_step<R, TN, TA>(acc, a_row, k0 + w.lane, 1.0f, bv);
-        }
+        for (int r = 0; r < 8; ++r)
+          packed_step<R, TN, TA, Fmt>(acc, a_row, word, r, kb + int64_t(kLanes) * r, w.lane, block_shift, scale,
+                                      scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+      }
+      if (k_blocks_end < K) {
+        uint32_t word[TN];
+        #pragma unroll
+        for (int j = 0; j < TN; ++j) word[j] = w_col[j][(k_blocks_end / kPackedK) * kLanes + w.lane];
+        const int steps = int((K - k_blocks_end) / kLanes);
+        for (int r = 0; r < steps; ++r)
+          packed_step<R, TN, TA, Fmt>(acc, a_row, word, r, k_blocks_end + int64_t(kLanes) * r, w.lane, block_shift,
+                                      scale, scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       }
     }
     #pragma unroll
@@ -199,26 +276,21 @@ inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g,
       float row_scale = 1.0f;
       if constexpr (w8a8) {
         const int64_t m = m0 + (i < valid_rows ? i : valid_rows - 1);
-        row_scale = p.a_scale[source_row(p.gather_index, p.gather_is64, m, p.a_rows)];
+        row_scale = a_scale[source_row(gather_index, gather_is64, m, a_rows)];
       }
       #pragma unroll
       for (int j = 0; j < TN; ++j)
-        sums[i][j] = w8a8 ? float(acc[i][j]) * (row_scale * scale_of(j, 0)) : float(acc[i][j]);
+        sums[i][j] = w8a8 ? float(acc[i][j]) * (row_scale * Fmt::scale(scale, scale_at[j])) : float(acc[i][j]);
     }
-    if (p.bias != nullptr)  // added once, to lane 0's partial sums
+    if (bias != nullptr)  // added once, to lane 0's partial sums
       #pragma unroll
       for (int j = 0; j < TN; ++j) {
-        const float bj = w.lane == 0 ? p.bias[g * p.bias_stride_e + b_n[j]] : 0.0f;
+        const float bj = w.lane == 0 ? bias[g * bias_stride_e + b_n[j]] : 0.0f;
         #pragma unroll
         for (int i = 0; i < R; ++i) sums[i][j] += bj;
       }
-  } else {  // the tail group: zeros
-    #pragma unroll
-    for (int i = 0; i < R; ++i)
-      #pragma unroll
-      for (int j = 0; j < TN; ++j) sums[i][j] = 0.0f;
   }
-  k_split_epilogue<R, TN, Gated>(w, sums, p.activation, m0, valid_rows, n0, p.N, p.out, p.out_row_stride,
+  k_split_epilogue<R, TN, Gated>(w, sums, p.activation, m0, valid_rows, n0, N, p.out, p.out_row_stride,
                                  p.out_rows, p.scatter_index, p.scatter_is64, p.row_weight);
 }
 
@@ -232,7 +304,8 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
                     int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
                     int64_t b_stride_k, const void* scale, int64_t scale_stride_e,
                     int64_t scale_stride_n, int64_t scale_stride_k, int64_t scale_block_n,
-                    int64_t scale_block_k, const uint8_t* zero, const float* a_scale,
+                    int64_t scale_block_k, const uint8_t* zero, int64_t zero_stride_e,
+                    int64_t zero_stride_n, int64_t zero_stride_k, const float* a_scale,
                     const float* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                     int64_t out_rows, const void* group_offsets, int offsets_is64,
                     int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
@@ -241,7 +314,8 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
   const Worker w = this_worker();
   const QuantArgs<TA, TOut> p{a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_n,
                               b_stride_k, scale, scale_stride_e, scale_stride_n, scale_stride_k, scale_block_n,
-                              scale_block_k, zero, a_scale, bias, bias_stride_e, out, out_row_stride, out_rows,
+                              scale_block_k, zero, zero_stride_e, zero_stride_n, zero_stride_k, a_scale,
+                              bias, bias_stride_e, out, out_row_stride, out_rows,
                               group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
                               scatter_index, scatter_is64, row_weight};
   constexpr int out_cols = Gated ? TN / 2 : TN;
@@ -270,7 +344,8 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
 // MOE_XPU_INSTANTIATE_QUANT(float, moe_xpu::Int4Weights, float, 1, 8, false).
 #define MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut)                                                          \
   const TA*, int64_t, int64_t, const void*, int, const void*, int64_t, int64_t, int64_t, const void*, \
-      int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, \
+      int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t,          \
+      const float*, const float*, int64_t,                                                           \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t, const void*,  \
       int, const float*
 #define MOE_XPU_INSTANTIATE_QUANT(TA, FMT, TOut, TM, TN, GATED) \
