@@ -90,3 +90,19 @@ def test_moe_backward_times_every_backend():
     hf = {"HF eager", "HF grouped_mm"} if bench._hf_mixtral_experts() else set()  # transformers 5.x
     assert {r.impl for r in rows} == {"moe_xpu fused"} | hf
     assert all(r.seconds > 0 for r in rows)
+
+
+def test_quant_suite_rows_on_a_tiny_case():
+    """bench gemm --quant: every format's row, moe_xpu's bf16 and (for int8) W8A8, roofline on the
+    quantized bytes: the quantized row reads fewer bytes than the bf16 one in the same time budget."""
+    case = bench.GemmCase("tiny", 4, 2, 4, 256, 64)
+    ceilings = bench.Ceilings(gflops=100.0, read_gbs=10.0)
+    for fmt in bench.QUANT_FORMATS:
+        rows = bench.bench_gemm_quant([case], fmt, ceilings, repeats=1, layout="linear", routing="uniform")
+        impls = {r.impl: r for r in rows}
+        assert f"moe_xpu {fmt}" in impls and "moe_xpu bfloat16" in impls
+        assert ("moe_xpu int8 W8A8" in impls) == (fmt == "int8")
+        ours, bf16 = impls[f"moe_xpu {fmt}"], impls["moe_xpu bfloat16"]
+        assert ours.speedup == 1.0 and all(r.seconds > 0 for r in rows)
+        # share of roofline * time = the roofline time, smaller for the quantized bytes
+        assert ours.roofline_pct * ours.seconds < bf16.roofline_pct * bf16.seconds
