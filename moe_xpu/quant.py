@@ -220,6 +220,8 @@ def _stack(t, name: str) -> torch.Tensor:
     if isinstance(t, (list, tuple)):
         if not t or not all(isinstance(x, torch.Tensor) for x in t):
             _fail(f"{name} must be a tensor or a non-empty list of tensors")
+        if t[0].dtype == torch.float8_e4m3fn:  # torch 2.8 cannot copy float8 in stack: move bytes
+            return torch.stack([x.view(torch.uint8) for x in t]).view(torch.float8_e4m3fn)
         return torch.stack(list(t))
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
