@@ -6,6 +6,14 @@ whether the tokens agree and the time of each.
     python examples/hf_generate.py --family mixtral      # or: qwen2_moe, olmoe, deepseek_v3, gpt_oss
     python examples/hf_generate.py --config path/or/name # your own config (config.json only,
                                                           # from a local folder or the hub cache)
+    python examples/hf_generate.py --quant int4          # quantized experts (int8, int4, fp8, mxfp4)
+                                                          # against the unquantized model
+
+With --quant the experts' weights are quantized in place (moe_xpu.integrations.transformers.
+quantize_experts) and the quantized model generates; the unquantized model then reads the same
+tokens, and the script prints how often the two agree on the next token over the generated
+positions (top-1 agreement) and the largest logit difference: quantization changes the logits, so
+the tokens are not expected to be identical.
 """
 
 from __future__ import annotations
@@ -39,15 +47,37 @@ FAMILIES = {
 }
 
 
-def generate(config, implementation: str, prompt: torch.Tensor, new_tokens: int, dtype):
-    torch.manual_seed(0)  # same random weights for both implementations
+def build(config, implementation: str, dtype):
+    torch.manual_seed(0)  # same random weights for every model built
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation, dtype=dtype)
-    model.eval()
+    return model.eval()
+
+
+def generate(model, prompt: torch.Tensor, new_tokens: int):
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up (and kernel build)
         start = time.perf_counter()
         tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     return tokens, time.perf_counter() - start
+
+
+def compare_quantized(config, args, prompt, dtype) -> None:
+    """Generates with quantized experts; reports agreement with the unquantized model."""
+    quantized = build(config, moe_xpu_hf.NAME, dtype)
+    count = moe_xpu_hf.quantize_experts(quantized, args.quant, group_size=args.group_size)
+    tokens, seconds = generate(quantized, prompt, args.new_tokens)
+    reference = build(config, moe_xpu_hf.NAME, dtype)
+    with torch.no_grad():  # both models read the quantized model's sequence (teacher forcing)
+        positions = slice(args.prompt_tokens - 1, tokens.shape[1] - 1)  # the logits that chose each new token
+        ours = quantized(tokens).logits[0, positions].float()
+        theirs = reference(tokens).logits[0, positions].float()
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    print(f"quantized experts: {args.quant} ({count} experts modules), {seconds:.2f} s for "
+          f"{args.new_tokens} tokens")
+    print(f"tokens: {tokens[0, args.prompt_tokens:].tolist()}")
+    print(f"top-1 agreement with the unquantized model: {agree:.1%} of {ours.shape[0]} generated positions")
+    print(f"max logit difference: {(ours - theirs).abs().max().item():.4f} "
+          f"(logits up to {theirs.abs().max().item():.2f})")
 
 
 def main() -> None:
@@ -57,6 +87,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--quant", choices=["int8", "int4", "fp8", "mxfp4"],
+                        help="quantize the experts and compare with the unquantized model")
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K (32, 64, 128)")
     args = parser.parse_args()
 
     moe_xpu_hf.register()
@@ -66,8 +99,11 @@ def main() -> None:
     print(f"model: {type(config).__name__} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), "
           f"random weights, {args.dtype}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new")
 
-    ours, t_ours = generate(config, moe_xpu_hf.NAME, prompt, args.new_tokens, dtype)
-    eager, t_eager = generate(config, "eager", prompt, args.new_tokens, dtype)
+    if args.quant:
+        compare_quantized(config, args, prompt, dtype)
+        return
+    ours, t_ours = generate(build(config, moe_xpu_hf.NAME, dtype), prompt, args.new_tokens)
+    eager, t_eager = generate(build(config, "eager", dtype), prompt, args.new_tokens)
     new = slice(args.prompt_tokens, None)
     print(f"moe_xpu tokens: {ours[0, new].tolist()}")
     print(f"eager tokens:   {eager[0, new].tolist()}")

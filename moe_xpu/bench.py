@@ -402,6 +402,18 @@ def mixtral_experts(case: "MoeCase", dtype: torch.dtype, gen: torch.Generator):
     return experts
 
 
+def hf_backends(experts, x, ids, w) -> dict[str, Callable[[], object] | None]:
+    """transformers' eager and grouped_mm backends on the experts module (None without one)."""
+    def hf(backend):
+        def run():
+            experts.config._experts_implementation = backend
+            return experts(x, ids, w)
+        return run
+
+    hf_module = isinstance(experts, torch.nn.Module)
+    return {"HF eager": hf_module and hf("eager"), "HF grouped_mm": hf_module and hf("grouped_mm")}
+
+
 def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
               flush: Callable[[], None] | None = None, backward: bool = False) -> list[Row]:
     """fused_moe beside transformers' expert backends; with backward, the forward plus the
@@ -427,17 +439,9 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
                     4 * case.tokens * case.H * esize
             roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
 
-            def hf(backend):
-                def run():
-                    experts.config._experts_implementation = backend
-                    return experts(x, ids, w)
-                return run
-
-            hf_module = isinstance(experts, torch.nn.Module)
             impls = _available({
                 "moe_xpu fused": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids),
-                "HF eager": hf_module and hf("eager"),
-                "HF grouped_mm": hf_module and hf("grouped_mm"),
+                **hf_backends(experts, x, ids, w),
                 "moe_xpu unfused": lambda: unfused_moe_pipeline(x, experts.gate_up_proj, experts.down_proj, w, ids),
             })
             if backward:
@@ -452,6 +456,40 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
             for name, t in times.items():
                 rows.append(Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
                                 100 * roofline_s / t, t / times["moe_xpu fused"]))
+    return rows
+
+
+def bench_moe_quant(cases, fmt: str, ceilings: Ceilings, repeats: int,
+                    flush: Callable[[], None] | None = None) -> list[Row]:
+    """fused_moe on quantized weights (bfloat16 activations) beside moe_xpu's own bfloat16 fused_moe
+    and transformers' bfloat16 backends. The roofline counts the quantized bytes of the touched
+    experts (values plus scales)."""
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    for case in cases:
+        logits = torch.randn(case.tokens, case.experts, generator=gen)
+        weights, ids = logits.softmax(-1).topk(case.top_k, dim=1)
+        touched = int(ids.unique().numel())
+        experts = mixtral_experts(case, dtype, gen)
+        x = torch.randn(case.tokens, case.H, generator=gen).to(dtype)
+        w = weights.to(dtype)
+        q1 = moe_xpu.quantize_experts(experts.gate_up_proj.transpose(1, 2), fmt, **QUANT_FORMATS[fmt])
+        q2 = moe_xpu.quantize_experts(experts.down_proj.transpose(1, 2), fmt, **QUANT_FORMATS[fmt])
+        flops = 6 * case.tokens * case.top_k * case.H * case.I
+        ours = f"moe_xpu fused {fmt}"
+        impls = _available({
+            ours: lambda: moe_xpu.fused_moe(x, q1, q2, w, ids),
+            "moe_xpu fused bfloat16": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids),
+            **hf_backends(experts, x, ids, w),
+        })
+        with torch.no_grad():
+            times = median_times(impls, repeats, flush)
+        for name, t in times.items():
+            weight_bytes = q1.nbytes + q2.nbytes if name == ours else 3 * case.experts * case.H * case.I * 2
+            bytes_read = weight_bytes * touched / case.experts + case.tokens * case.H * 2
+            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            rows.append(Row(case.name, f"bf16/{fmt}", name, t, flops / t / 1e9, 100 * roofline_s / t, t / times[ours]))
     return rows
 
 
@@ -589,19 +627,10 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
         experts = mixtral_experts(case, torch.float32, gen)
         weights, ids = torch.randn(case.tokens, case.experts, generator=gen).softmax(-1).topk(case.top_k, dim=1)
         x = torch.randn(case.tokens, case.H, generator=gen)
-
-        def hf(backend):
-            def run():
-                experts.config._experts_implementation = backend
-                return experts(x, ids, weights)
-            return run
-
         with torch.no_grad():
-            hf_module = isinstance(experts, torch.nn.Module)
             t = median_times(_available({
                 "moe_xpu fused_moe": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids),
-                "HF eager": hf_module and hf("eager"), "HF grouped_mm": hf_module and hf("grouped_mm")}),
-                repeats, flush)
+                **hf_backends(experts, x, ids, weights)}), repeats, flush)
         ours = t["moe_xpu fused_moe"]
         label = f"fused {case.name} H{case.H} I{case.I}"
         rows += [SmallRow(label, impl, v, v / ours) for impl, v in t.items()]
@@ -701,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     parser.add_argument("--backward", action="store_true", help="gemm, moe: time the forward plus the "
                         "gradients of the inputs and weights (training)")
-    parser.add_argument("--quant", metavar="FORMATS", help="gemm: quantized weights, comma-separated formats "
+    parser.add_argument("--quant", metavar="FORMATS", help="gemm, moe: quantized weights, comma-separated formats "
                         f"({', '.join(QUANT_FORMATS)}), beside moe_xpu's and the peers' bfloat16")
     args = parser.parse_args(argv)
     if args.isa is not None:
@@ -731,15 +760,21 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:  # build (or load) kernels outside the timed region
         moe_xpu.moe_gemm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype),
                          torch.ones(1, dtype=torch.int32))
-    if args.suite == "gemm" and args.quant:
+    if args.quant and args.suite in ("gemm", "moe"):
         formats = args.quant.split(",")
         unknown = sorted(set(formats) - set(QUANT_FORMATS))
         if unknown:
             parser.error(f"unknown --quant format(s) {unknown}; known: {', '.join(QUANT_FORMATS)}")
-        rows = [r for fmt in formats for r in bench_gemm_quant(
-            [c for c in GEMM_CASES if c.name in wanted], fmt, ceilings, args.repeats, args.layout, args.routing, flush)]
-        title = (f"moe_gemm on quantized weights vs bfloat16, weights {args.layout}, {args.routing} routing, "
-                 f"{args.cache} cache, median of {args.repeats}")
+        if args.suite == "gemm":
+            rows = [r for fmt in formats for r in bench_gemm_quant(
+                [c for c in GEMM_CASES if c.name in wanted], fmt, ceilings, args.repeats, args.layout, args.routing,
+                flush)]
+            title = f"moe_gemm on quantized weights vs bfloat16, weights {args.layout}, {args.routing} routing, "
+        else:
+            rows = [r for fmt in formats for r in bench_moe_quant(
+                [c for c in MOE_CASES if c.name in wanted], fmt, ceilings, args.repeats, flush)]
+            title = "fused_moe on quantized weights vs bfloat16, "
+        title += f"{args.cache} cache, median of {args.repeats}"
         speedup_of = "moe_xpu quantized"
     elif args.suite == "gemm":
         rows = bench_gemm([c for c in GEMM_CASES if c.name in wanted], dtypes, ceilings, args.repeats,

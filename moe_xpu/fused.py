@@ -139,24 +139,45 @@ def weighted_slot_sum(rows: torch.Tensor, scatter_index: torch.Tensor,
     return per_slot.view(T, k, -1).sum(dim=1).to(out_dtype)
 
 
+def _expert_weight_shape(w) -> tuple[int, ...]:
+    """fused_moe's layout of a weight: a tensor's own shape; a QuantizedExperts stands for moe_gemm's
+    b = weight.transpose(1, 2), so its (E, K, N) is read back as [E, N, K]."""
+    if _is_quantized(w):
+        E, K, N = w.shape
+        return (E, N, K)
+    return tuple(w.shape)
+
+
+def _is_quantized(w) -> bool:
+    from moe_xpu.quant import QuantizedExperts
+
+    return isinstance(w, QuantizedExperts)
+
+
 def check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                              activation, gate_up_bias, down_bias) -> None:
+    quantized = _is_quantized(gate_up_proj), _is_quantized(down_proj)
     for name, t in (("hidden_states", hidden_states), ("gate_up_proj", gate_up_proj),
                     ("down_proj", down_proj), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) and not (name.endswith("proj") and _is_quantized(t)):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if quantized[0] != quantized[1]:
+        _fail("gate_up_proj and down_proj must both be QuantizedExperts or both be tensors")
     if hidden_states.dim() != 2:
         _fail(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in SUPPORTED_DTYPES:
         _fail(f"hidden_states must be float32, bfloat16 or float16, got {hidden_states.dtype}")
     T, H = hidden_states.shape
-    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != H or gate_up_proj.shape[1] % 2:
-        _fail(f"gate_up_proj must be [E, 2I, H] with H = {H}, got shape {tuple(gate_up_proj.shape)}")
-    E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
-    if tuple(down_proj.shape) != (E, H, I):
-        _fail(f"down_proj must be [E, H, I] = [{E}, {H}, {I}], got shape {tuple(down_proj.shape)}")
+    gate_up_shape, down_shape = _expert_weight_shape(gate_up_proj), _expert_weight_shape(down_proj)
+    hint = " (as QuantizedExperts: quantize_experts(gate_up_proj.transpose(1, 2), ...))" if quantized[0] else ""
+    if len(gate_up_shape) != 3 or gate_up_shape[2] != H or gate_up_shape[1] % 2:
+        _fail(f"gate_up_proj must be [E, 2I, H] with H = {H}{hint}, got shape {gate_up_shape}")
+    E, I = gate_up_shape[0], gate_up_shape[1] // 2
+    if down_shape != (E, H, I):
+        hint = " (as QuantizedExperts: quantize_experts(down_proj.transpose(1, 2), ...))" if quantized[1] else ""
+        _fail(f"down_proj must be [E, H, I] = [{E}, {H}, {I}]{hint}, got shape {down_shape}")
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if t.dtype != hidden_states.dtype:
+        if isinstance(t, torch.Tensor) and t.dtype != hidden_states.dtype:
             _fail(f"{name} must have hidden_states' dtype {hidden_states.dtype}, got {t.dtype}")
     _check_topk_ids(topk_ids, E)
     if topk_ids.shape[0] != T:
@@ -172,7 +193,10 @@ def check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weight
             continue
         if tuple(bias.shape) != shape:
             _fail(f"{name} must have shape {list(shape)}, got {tuple(bias.shape)}")
-        if bias.dtype != hidden_states.dtype:
+        if quantized[0]:  # the quantized kernels add a float32 copy of the bias
+            if not bias.is_floating_point():
+                _fail(f"{name} must be a floating-point tensor, got {bias.dtype}")
+        elif bias.dtype != hidden_states.dtype:
             _fail(f"{name} must have hidden_states' dtype {hidden_states.dtype}, got {bias.dtype}")
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj), ("topk_weights", topk_weights),
                     ("topk_ids", topk_ids), ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
@@ -283,9 +307,18 @@ def fused_moe(
     ``y[t] += topk_weights[t, j] * down_proj[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))``
     (+ biases when given). activation: "silu" or "gelu_tanh" (both gated). Output [T, H] in
     hidden_states' dtype. Ids equal to -1 (expert elsewhere) are skipped.
+
+    Quantized weights: pass :class:`moe_xpu.QuantizedExperts` for both, made from the weights as
+    moe_gemm's b, ``quantize_experts(gate_up_proj.transpose(1, 2), fmt)`` and
+    ``quantize_experts(down_proj.transpose(1, 2), fmt)`` (any float activations; each weight is
+    dequantized in the kernels' k loop).
     """
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
     check_fused_moe_metadata(*args)
+    if _is_quantized(gate_up_proj):
+        from moe_xpu import fused_quant
+
+        return fused_quant.fused_moe_quantized(*args)
     if _dispatch.direct_call_ok(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_bias,
                                 down_bias):
         return _fused_moe_checked(*args)

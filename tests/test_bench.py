@@ -106,3 +106,16 @@ def test_quant_suite_rows_on_a_tiny_case():
         assert ours.speedup == 1.0 and all(r.seconds > 0 for r in rows)
         # share of roofline * time = the roofline time, smaller for the quantized bytes
         assert ours.roofline_pct * ours.seconds < bf16.roofline_pct * bf16.seconds
+
+
+def test_quant_moe_suite_rows_on_a_tiny_case():
+    """bench moe --quant: fused_moe on each format beside moe_xpu's bf16 fused_moe (and the HF
+    backends where transformers has them), roofline on the quantized bytes."""
+    case = bench.MoeCase("tiny", 4, 4, 2, 128, 128)
+    ceilings = bench.Ceilings(gflops=100.0, read_gbs=10.0)
+    for fmt in bench.QUANT_FORMATS:
+        rows = bench.bench_moe_quant([case], fmt, ceilings, repeats=1)
+        impls = {r.impl: r for r in rows}
+        ours, bf16 = impls[f"moe_xpu fused {fmt}"], impls["moe_xpu fused bfloat16"]
+        assert ours.speedup == 1.0 and all(r.seconds > 0 for r in rows)
+        assert ours.roofline_pct * ours.seconds < bf16.roofline_pct * bf16.seconds

@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe", reason="the experts interface arrived in transformers 5")
 
+import moe_xpu  # noqa: E402
 import moe_xpu.integrations.transformers as moe_xpu_hf  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -147,3 +148,58 @@ def test_finetune_example_agrees_with_eager(capsys, tmp_path):
     assert example.main(["--steps", "40", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "agree" in out and plot.stat().st_size > 0
+
+
+QUANT_CONFIGS = {  # expert widths the 4-bit group sizes and MXFP4's blocks of 32 divide
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=8,
+                                                  num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=64,
+                                                     num_experts=8, num_experts_per_tok=2, head_dim=16,
+                                                     decoder_sparse_step=1, norm_topk_prob=True),
+    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, intermediate_size=64, num_local_experts=8,
+                                                 num_experts_per_tok=2, head_dim=16, sliding_window=16),
+}
+
+
+def build_quant_family(name: str, implementation: str):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(QUANT_CONFIGS[name](),
+                                                         experts_implementation=implementation).eval()
+
+
+@pytest.mark.parametrize("fmt,kw", [("int8", {}), ("int4", {"group_size": 32}), ("fp8", {}), ("mxfp4", {})],
+                         ids=["int8", "int4", "fp8", "mxfp4"])
+@pytest.mark.parametrize("name", list(QUANT_CONFIGS))
+def test_quantize_experts_in_place_matches_eager_on_the_dequantized_weights(name, fmt, kw):
+    """quantize_experts(model, fmt) converts every experts module (GPT-OSS's transposed,
+    interleaved, biased layout included) and the model's logits equal the eager model's with each
+    expert weight replaced by the value its quantized form stands for."""
+    ours = build_quant_family(name, "eager")
+    eager = build_quant_family(name, "eager")
+    converted = moe_xpu_hf.quantize_experts(ours, fmt, **kw)
+    modules = experts_modules(ours)
+    assert converted == len(modules) == ours.config.num_hidden_layers
+    assert ours.config._experts_implementation == moe_xpu_hf.NAME
+    for module, reference in zip(modules, experts_modules(eager)):
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        for attr in (first, "down_proj"):
+            q = getattr(module, attr)
+            assert isinstance(q, moe_xpu.QuantizedExperts) and q.format == fmt
+            assert attr not in dict(module.named_parameters())
+            w = q.dequantize()
+            getattr(reference, attr).data.copy_(w if module.is_transposed else w.transpose(1, 2))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = eager(ids).logits
+        out = ours(ids).logits
+    assert ref.abs().max() > 0.05
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_experts_errors():
+    model = build_quant_family("mixtral", "eager")
+    with pytest.raises(moe_xpu.MoeXpuInputError, match="group_size"):
+        moe_xpu_hf.quantize_experts(model, "int4", group_size=48)
+    assert isinstance(experts_modules(model)[0].gate_up_proj, torch.nn.Parameter), "a failed call changes nothing"
+    with pytest.raises(moe_xpu_hf.UnsupportedExpertsLayout, match="no experts module"):
+        moe_xpu_hf.quantize_experts(torch.nn.Linear(4, 4), "int8")

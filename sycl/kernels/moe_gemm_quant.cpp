@@ -256,7 +256,9 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
         uint32_t word[TN];
         #pragma unroll
         for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + w.lane];
-        #pragma unroll
+        // (Unrolled by 2, not 8: fully unrolled, MXFP4's tiles of several rows were compiled
+        // masked as above.)
+        #pragma unroll 2
         for (int r = 0; r < 8; ++r)
           packed_step<R, TN, TA, Fmt>(acc, a_row, word, r, kb + int64_t(kLanes) * r, w.lane, block_shift, scale,
                                       scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
@@ -297,7 +299,9 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
 // The 16 lanes split K (as moe_gemm_k_lanes does); each lane keeps TM x TN partial sums of a row
 // tile, reduced across the sub-group once per tile. Units are one column tile of one group over
 // up to kUnitRows rows, owned by the persistent workers through the shared scheduler. A group's
-// short last row tile runs with a 1- or 4-row tile.
+// short last row tile runs the full tile (rows past the group repeat its last row, not stored):
+// with 1- and 4-row tiles beside the 6-row one in the same kernel, as k_lanes does, the CPU
+// compiler masked the whole 4-bit loop and gathered its bytes lane by lane (10-15x slower).
 template <typename TA, typename Fmt, typename TOut, int TM, int TN, bool Gated>
 MOE_XPU_KERNEL
 void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -328,12 +332,7 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
-          if (TM > 4 && valid == 1)
-            quant_tile<1, TN, Gated, TA, Fmt>(p, w, g, m0, valid, n_tile);
-          else if (TM > 4 && valid <= 4)
-            quant_tile<(TM > 4 ? 4 : TM), TN, Gated, TA, Fmt>(p, w, g, m0, valid, n_tile);
-          else
-            quant_tile<TM, TN, Gated, TA, Fmt>(p, w, g, m0, valid, n_tile);
+          quant_tile<TM, TN, Gated, TA, Fmt>(p, w, g, m0, valid, n_tile);
         }
       });
 }
