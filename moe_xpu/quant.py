@@ -242,6 +242,8 @@ def _check_container(q: QuantizedExperts) -> None:
     expected_data = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.int32, "mxfp4": torch.int32}[q.format]
     if data.dtype != expected_data:
         _fail(f"{q.format} data must be {expected_data}, got {data.dtype}")
+    if q.format == "int8" and bk < K:
+        _fail(f"int8 scales are per output channel (block_k >= K = {K}), got blocks of {bk} along K")
     if q.format in ("int4", "mxfp4"):
         if bk < 16 or bk & (bk - 1):
             _fail(f"the {q.format} group size along K must be a power of two of at least 16, got {bk}")

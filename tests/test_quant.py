@@ -271,6 +271,8 @@ def test_errors_name_the_argument():
         moe_xpu.moe_gemm(a, q, go, bias=torch.randn(2, 15))
     with pytest.raises(Err, match="scale must be"):
         moe_xpu.QuantizedExperts("int8", q.data, torch.ones(2, 16, 2), None, q.block, tuple(q.shape))
+    with pytest.raises(Err, match="int8 scales are per output channel"):
+        moe_xpu.QuantizedExperts("int8", q.data, torch.ones(2, 16, 2), None, (1, 32), tuple(q.shape))
     with pytest.raises(Err, match="K / 32"):
         moe_xpu.QuantizedExperts.from_mxfp4(torch.zeros(1, 4, 2, 16, dtype=torch.uint8),
                                             torch.zeros(1, 4, 3, dtype=torch.uint8))

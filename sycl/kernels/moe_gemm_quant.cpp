@@ -26,7 +26,9 @@
 // lanes' sums converted to float and scaled by a_scale[row] * b_scale[n] before the cross-lane sum.
 // Weight-only formats (float, half or bf16 A): each B value is dequantized to float and the
 // products summed in float, in ascending k per lane: the naive float computation on the
-// dequantized weights, with the same rounding behaviour. Bitwise reproducible, as elsewhere.
+// dequantized weights, with the same rounding behaviour; int8 B (one scale per output channel)
+// sums A times the integer values and scales the sums once. 4-bit values are dequantized by a
+// table lookup across the sub-group (see packed_step). Bitwise reproducible, as elsewhere.
 #include "epilogue.hpp"
 #include "scheduler.hpp"
 
@@ -64,11 +66,13 @@ struct Fp8Weights {
 };
 struct Int4Weights {
   static constexpr int kBits = 4;
+  static constexpr bool kZeroPoints = true;
   static float value(uint32_t nibble, float zero) { return float(nibble) - zero; }
   static float scale(const void* s, int64_t i) { return static_cast<const float*>(s)[i]; }
 };
 struct Mxfp4Weights {
   static constexpr int kBits = 4;
+  static constexpr bool kZeroPoints = false;
   static float value(uint32_t nibble, float) { return e2m1_to_float(nibble); }
   static float scale(const void* s, int64_t i) { return e8m0_to_float(static_cast<const uint8_t*>(s)[i]); }
 };
@@ -120,23 +124,75 @@ __attribute__((always_inline)) inline void quant_step(QuantAcc<TA> (&acc)[R][TN]
   }
 }
 
-// One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized with
-// the scale and zero point of their block (uniform across the sub-group: scalar loads).
-template <int R, int TN, typename TA, typename Fmt>
+// The whole 16-k steps of 8-bit B read with unit stride along K, from k_begin to k_whole; values
+// times their block's scale when Scaled.
+template <bool Scaled, int R, int TN, typename TA, typename Fmt>
+__attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN], const TA* const (&a_row)[R],
+                                                      const uint8_t* const (&b_col)[TN], int64_t k_begin,
+                                                      int64_t k_whole, int lane, const float (&sc)[TN]) {
+  for (int64_t k0 = k_begin; k0 < k_whole; k0 += kLanes) {
+    const int64_t k = k0 + lane;
+    QuantAcc<TA> bv[TN];
+    #pragma unroll
+    for (int j = 0; j < TN; ++j) bv[j] = quant_b_value<TA, Fmt>(b_col[j][k], Scaled ? sc[j] : 1.0f);
+    quant_step<R, TN, TA>(acc, a_row, k, bv);
+  }
+}
+
+// One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized by
+// a 16-entry table lookup across the sub-group: lane l holds the dequantized value of code l for
+// each column (its scale and zero point applied), and select_from_group fetches entry q. One
+// permute per value where arithmetic decoding took five to eight instructions.
+template <int R, int TN, typename TA>
 __attribute__((always_inline)) inline void packed_step(float (&acc)[R][TN], const TA* const (&a_row)[R],
-                                                       const uint32_t (&word)[TN], int r, int64_t k0, int lane,
-                                                       int block_shift, const void* scale,
-                                                       const int64_t (&scale_at)[TN], int64_t scale_stride_k,
-                                                       const uint8_t* zero, const int64_t (&zero_at)[TN],
-                                                       int64_t zero_stride_k) {
-  const int64_t block = k0 >> block_shift;
+                                                       const uint32_t (&word)[TN], int r, int64_t k,
+                                                       const sycl::sub_group& sg, const float (&table)[TN]) {
   float bv[TN];
   #pragma unroll
+  for (int j = 0; j < TN; ++j) bv[j] = sycl::select_from_group(sg, table[j], (word[j] >> (4 * r)) & 0xfu);
+  quant_step<R, TN, TA>(acc, a_row, k, bv);
+}
+
+// Each column's lookup table for the scale block of k: lane l's entry is code l dequantized
+// (code_value: Fmt::value of code l without zero point, computed once).
+template <int TN, typename Fmt>
+__attribute__((always_inline)) inline void packed_tables(float (&table)[TN], int64_t k, float code_value,
+                                                         int block_shift, const void* scale,
+                                                         const int64_t (&scale_at)[TN], int64_t scale_stride_k,
+                                                         const uint8_t* zero, const int64_t (&zero_at)[TN],
+                                                         int64_t zero_stride_k) {
+  const int64_t block = k >> block_shift;
+  #pragma unroll
   for (int j = 0; j < TN; ++j) {
-    const float z = float(zero[zero_at[j] + block * zero_stride_k]);
-    bv[j] = Fmt::value((word[j] >> (4 * r)) & 0xfu, z) * Fmt::scale(scale, scale_at[j] + block * scale_stride_k);
+    const float z = Fmt::kZeroPoints ? float(zero[zero_at[j] + block * zero_stride_k]) : 0.0f;
+    table[j] = (code_value - z) * Fmt::scale(scale, scale_at[j] + block * scale_stride_k);
   }
-  quant_step<R, TN, TA>(acc, a_row, k0 + lane, bv);
+}
+
+// The 8 steps of each whole block of 128 k, the tables rebuilt every S steps (S * 16 k: the
+// scale block, or 128 k for blocks of 128 and more).
+template <int S, int R, int TN, typename TA, typename Fmt>
+__attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], const TA* const (&a_row)[R],
+                                                         const uint32_t* const (&w_col)[TN], int64_t k_blocks_end,
+                                                         const sycl::sub_group& sg, int lane, float code_value,
+                                                         int block_shift, const void* scale,
+                                                         const int64_t (&scale_at)[TN], int64_t scale_stride_k,
+                                                         const uint8_t* zero, const int64_t (&zero_at)[TN],
+                                                         int64_t zero_stride_k) {
+  for (int64_t kb = 0; kb < k_blocks_end; kb += kPackedK) {
+    uint32_t word[TN];
+    #pragma unroll
+    for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + lane];
+    float table[TN];
+    // (The table step written as a loop of its own rather than `if (r % S == 0)` in the step loop,
+    // which the CPU compiler treated as divergent.)
+    for (int r0 = 0; r0 < 8; r0 += S) {
+      packed_tables<TN, Fmt>(table, kb + int64_t(kLanes) * r0, code_value, block_shift, scale, scale_at,
+                             scale_stride_k, zero, zero_at, zero_stride_k);
+      #pragma unroll 2
+      for (int r = r0; r < r0 + S; ++r) packed_step<R, TN, TA>(acc, a_row, word, r, kb + int64_t(kLanes) * r + lane, sg, table);
+    }
+  }
 }
 
 // One R x TN tile at rows m0 .. m0 + valid_rows - 1 of group g, column tile n_tile.
@@ -187,6 +243,10 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
     // Each column's scales along K: element (k / scale_block_k) * scale_stride_k from scale_at[j];
     // its zero points likewise (4-bit formats: the launcher points formats without them at one
     // constant, strides 0).
+    // int8 B has one scale per output channel (and W8A8 sums integers): the scale multiplies the
+    // sums once at the end instead of every value in the k loop. (Decided per format: with both
+    // loops in one kernel, the CPU compiler masked fp8's.)
+    constexpr bool end_scale = std::is_same_v<Fmt, Int8Weights>;
     int64_t scale_at[TN], zero_at[TN];
     #pragma unroll
     for (int j = 0; j < TN; ++j) {
@@ -209,15 +269,10 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
         const int64_t k_whole = k_end - (k_end - kb) % kLanes;
         float sc[TN];
         #pragma unroll
-        for (int j = 0; j < TN; ++j) sc[j] = w8a8 ? 1.0f : Fmt::scale(scale, scale_at[j] + (kb / scale_block_k) * scale_stride_k);
+        for (int j = 0; j < TN; ++j)
+          sc[j] = end_scale ? 1.0f : Fmt::scale(scale, scale_at[j] + (kb / scale_block_k) * scale_stride_k);
         if (unit) {
-          for (int64_t k0 = kb; k0 < k_whole; k0 += kLanes) {
-            const int64_t k = k0 + w.lane;
-            QuantAcc<TA> bv[TN];
-            #pragma unroll
-            for (int j = 0; j < TN; ++j) bv[j] = quant_b_value<TA, Fmt>(b_col[j][k], sc[j]);
-            quant_step<R, TN, TA>(acc, a_row, k, bv);
-          }
+          byte_steps<!end_scale, R, TN, TA, Fmt>(acc, a_row, b_col, kb, k_whole, w.lane, sc);
         } else {
           for (int64_t k0 = kb; k0 < k_whole; k0 += kLanes) {
             const int64_t k = k0 + w.lane;
@@ -252,25 +307,25 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       // of a smaller scale block) runs its steps in a loop of its own. (An `if (r < steps)` in the
       // unrolled loop was compiled as divergent: every step masked, its values parked on the stack.)
       const int64_t k_blocks_end = K - K % kPackedK;
-      for (int64_t kb = 0; kb < k_blocks_end; kb += kPackedK) {
-        uint32_t word[TN];
-        #pragma unroll
-        for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + w.lane];
-        // (Unrolled by 2, not 8: fully unrolled, MXFP4's tiles of several rows were compiled
-        // masked as above.)
-        #pragma unroll 2
-        for (int r = 0; r < 8; ++r)
-          packed_step<R, TN, TA, Fmt>(acc, a_row, word, r, kb + int64_t(kLanes) * r, w.lane, block_shift, scale,
-                                      scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
-      }
+      const float code_value = Fmt::value(uint32_t(w.lane), 0.0f);
+      if (scale_block_k >= kPackedK)
+        packed_blocks<8, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+      else
+        packed_blocks<2, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       if (k_blocks_end < K) {
         uint32_t word[TN];
         #pragma unroll
         for (int j = 0; j < TN; ++j) word[j] = w_col[j][(k_blocks_end / kPackedK) * kLanes + w.lane];
         const int steps = int((K - k_blocks_end) / kLanes);
-        for (int r = 0; r < steps; ++r)
-          packed_step<R, TN, TA, Fmt>(acc, a_row, word, r, k_blocks_end + int64_t(kLanes) * r, w.lane, block_shift,
-                                      scale, scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+        for (int r = 0; r < steps; ++r) {
+          const int64_t k0 = k_blocks_end + int64_t(kLanes) * r;
+          float table[TN];
+          packed_tables<TN, Fmt>(table, k0, code_value, block_shift, scale, scale_at, scale_stride_k, zero, zero_at,
+                                 zero_stride_k);
+          packed_step<R, TN, TA>(acc, a_row, word, r, k0 + w.lane, w.sg, table);
+        }
       }
     }
     #pragma unroll
@@ -282,7 +337,7 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       }
       #pragma unroll
       for (int j = 0; j < TN; ++j)
-        sums[i][j] = w8a8 ? float(acc[i][j]) * (row_scale * Fmt::scale(scale, scale_at[j])) : float(acc[i][j]);
+        sums[i][j] = end_scale ? float(acc[i][j]) * (row_scale * Fmt::scale(scale, scale_at[j])) : float(acc[i][j]);
     }
     if (bias != nullptr)  // added once, to lane 0's partial sums
       #pragma unroll
