@@ -80,7 +80,7 @@ def compare_quantized(config, args, prompt, dtype) -> None:
           f"(logits up to {theirs.abs().max().item():.2f})")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
     parser.add_argument("--config", help="a model name or folder whose config.json to use instead")
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--quant", choices=["int8", "int4", "fp8", "mxfp4"],
                         help="quantize the experts and compare with the unquantized model")
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K (32, 64, 128)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     moe_xpu_hf.register()
     config = transformers.AutoConfig.from_pretrained(args.config) if args.config else FAMILIES[args.family]()

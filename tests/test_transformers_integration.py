@@ -203,3 +203,23 @@ def test_quantize_experts_errors():
     assert isinstance(experts_modules(model)[0].gate_up_proj, torch.nn.Parameter), "a failed call changes nothing"
     with pytest.raises(moe_xpu_hf.UnsupportedExpertsLayout, match="no experts module"):
         moe_xpu_hf.quantize_experts(torch.nn.Linear(4, 4), "int8")
+
+
+def test_generate_example_with_quantized_experts(capsys):
+    """examples/hf_generate.py --quant: generates with quantized experts and reports the agreement
+    with the unquantized model (a rate over the generated positions and a finite logit gap)."""
+    import importlib.util
+    import pathlib
+    import re
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
+    spec = importlib.util.spec_from_file_location("hf_generate_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--family", "mixtral", "--quant", "int4", "--group-size", "64", "--prompt-tokens", "6",
+                  "--new-tokens", "4"])
+    out = capsys.readouterr().out
+    rate = re.search(r"top-1 agreement with the unquantized model: ([0-9.]+)% of 4 generated positions", out)
+    gap = re.search(r"max logit difference: ([0-9.]+)", out)
+    assert rate and 0.0 <= float(rate.group(1)) <= 100.0, out
+    assert gap and float(gap.group(1)) > 0.0, out  # quantization changes the logits
