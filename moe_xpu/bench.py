@@ -712,7 +712,7 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_xpu.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew", "small", "ipex"])
+    parser.add_argument("suite", nargs="?", default="gemm", choices=["gemm", "moe", "skew", "small", "ipex", "ep"])
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--cases", default="decode,prefill,64tok-E64,16tok-E8")
     parser.add_argument("--layout", choices=["linear", "kn"], default="linear",
@@ -749,6 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cache: {args.cache} (see --help)")
     if args.suite == "small":
         bench_small(args.repeats, flush, args.markdown)
+        return 0
+    if args.suite == "ep":
+        from moe_xpu.bench_ep import bench_ep
+
+        bench_ep(repeats=args.repeats)
         return 0
     if args.suite == "skew":
         bench_skew([c for c in GEMM_CASES if c.name in wanted], [c for c in MOE_CASES if c.name in wanted],

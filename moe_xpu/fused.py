@@ -210,8 +210,15 @@ def _k_contiguous_view(w: torch.Tensor) -> torch.Tensor:
     return view if view.shape[1] <= 1 or view.stride(1) == 1 else w.contiguous().transpose(1, 2)
 
 
-def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
-                    gate_up_bias, down_bias):
+def _fused_moe_sycl(*args):
+    per_slot = _per_slot_sycl(*args)
+    return per_slot.sum(dim=1).to(args[0].dtype)
+
+
+def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
+                   gate_up_bias, down_bias):
+    """Every (token, slot) pair's weighted expert output, float32 [T, k, H] (zeros for sentinel
+    slots), before the slot sum."""
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
@@ -240,7 +247,7 @@ def _fused_moe_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_i
     args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
     args.row_weight = weights.data_ptr()
     launch(args, h)
-    return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)
+    return per_slot.view(T, k, H)
 
 
 @torch.library.custom_op("moe_xpu::fused_moe", mutates_args=())
@@ -268,6 +275,26 @@ def _fused_moe_checked(*args):
     if hidden_states.device.type != "cpu":
         _check_topk_id_values(topk_ids, num_experts)  # on the CPU the host sort checks them
     return _fused_moe_sycl(*args)
+
+
+def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
+                       gate_up_bias=None, down_bias=None) -> torch.Tensor:
+    """fused_moe before its slot sum: float32 [T, k, H], row (t, j) the weighted output of token t's
+    expert in slot j (zeros for sentinel slots). ``fused_moe`` is ``per_slot.sum(dim=1)`` cast
+    to hidden_states' dtype, bit for bit (the expert parallel path sums these rows on the tokens'
+    home ranks). Float weights, no autograd."""
+    args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
+    check_fused_moe_metadata(*args)
+    if _is_quantized(gate_up_proj):
+        _fail("fused_moe_per_slot takes float weights")
+    if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
+        _check_topk_id_values(topk_ids, gate_up_proj.shape[0])
+        return torch_fallback.fused_moe_per_slot(*args)
+    if _runtime.sycl_module() is None:
+        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
+    if hidden_states.device.type != "cpu":
+        _check_topk_id_values(topk_ids, gate_up_proj.shape[0])
+    return _per_slot_sycl(*args)
 
 
 def _fused_moe_impl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",

@@ -35,7 +35,12 @@ ACTIVATIONS = {
 }
 
 
-def fused_moe(
+def fused_moe(*args) -> torch.Tensor:
+    """Per-expert loop in float32; the k contributions of a token are summed in slot order."""
+    return fused_moe_per_slot(*args).sum(dim=1).to(args[0].dtype)
+
+
+def fused_moe_per_slot(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -45,7 +50,7 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Per-expert loop in float32; the k contributions of a token are summed in slot order."""
+    """Each (token, slot) pair's weighted expert output, float32 [T, k, H] (zeros for sentinels)."""
     T, k = topk_ids.shape
     I = gate_up_proj.shape[1] // 2
     act = ACTIVATIONS[activation]
@@ -63,4 +68,4 @@ def fused_moe(
         if down_bias is not None:
             y = y + down_bias[e].float()
         contrib[tokens, slots] = y * topk_weights[tokens, slots, None].float()
-    return contrib.sum(dim=1).to(hidden_states.dtype)
+    return contrib

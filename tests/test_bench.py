@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_xpu import bench
@@ -119,3 +120,14 @@ def test_quant_moe_suite_rows_on_a_tiny_case():
         ours, bf16 = impls[f"moe_xpu fused {fmt}"], impls["moe_xpu fused bfloat16"]
         assert ours.speedup == 1.0 and all(r.seconds > 0 for r in rows)
         assert ours.roofline_pct * ours.seconds < bf16.roofline_pct * bf16.seconds
+
+
+def test_ep_wire_bytes_expectation():
+    """bench ep's expected bytes per token: nothing leaves a single rank; with one expert per rank
+    every slot is remote except the home rank's own (k distinct experts of E)."""
+    from moe_xpu.bench_ep import wire_bytes_per_token
+
+    assert sum(wire_bytes_per_token(8, 2, 64, 1).values()) == 0
+    b = wire_bytes_per_token(8, 2, 64, 8)
+    assert b["rows out"] == pytest.approx(2 * (1 - 1 / 8) * 64 * 2)  # k remote experts, one per rank
+    assert b["rows back"] == pytest.approx(2 * (7 / 8) * 64 * 4)
