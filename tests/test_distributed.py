@@ -114,3 +114,22 @@ def test_per_slot_rows_sum_to_fused_moe():
     assert not per_slot[::4, 1].any()
     assert torch.equal(per_slot.sum(dim=1).to(x.dtype),
                        moe_xpu.fused_moe(x, w1, w2, weights, ids, gate_up_bias=b1, down_bias=b2))
+
+
+@pytest.mark.parametrize("nproc,family", [(2, "qwen3_moe"), (4, "mixtral")])
+def test_expert_parallel_example_generates_the_one_process_tokens(nproc, family):
+    """examples/expert_parallel.py under torchrun: every rank keeps only its experts, generates from
+    its own prompt, and gets the one-process model's tokens."""
+    pytest.importorskip("transformers.integrations.moe", reason="the experts interface arrived in transformers 5")
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "expert_parallel.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                          "--master-port", str(_free_port()), str(example), "--family", family,
+                          "--prompt-tokens", "6", "--new-tokens", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("same as one process") == nproc, run.stdout
+    assert "every rank generated the one-process tokens" in run.stdout

@@ -223,3 +223,11 @@ def test_generate_example_with_quantized_experts(capsys):
     gap = re.search(r"max logit difference: ([0-9.]+)", out)
     assert rate and 0.0 <= float(rate.group(1)) <= 100.0, out
     assert gap and float(gap.group(1)) > 0.0, out  # quantization changes the logits
+
+
+def test_shard_experts_refuses_layouts_it_cannot_run():
+    """Expert parallelism runs the standard layout; GPT-OSS's own gate is refused before any
+    process-group call."""
+    model = build_quant_family("gpt_oss", "moe_xpu")
+    with pytest.raises(moe_xpu_hf.UnsupportedExpertsLayout, match="standard float experts layout"):
+        moe_xpu_hf.shard_experts(model)

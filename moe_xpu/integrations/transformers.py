@@ -107,6 +107,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers experts-interface backend: (hidden [T, H], top_k_index, top_k_weights) -> [T, H]."""
     activation = _fused_activation(self)
+    sharded = getattr(self, "_moe_xpu_expert_parallel", None)
+    if sharded is not None:
+        return _expert_parallel_forward(self, sharded, activation, hidden_states, top_k_index, top_k_weights)
     if activation is not None:
         gate_up_bias, down_bias = _biases(self)
         if _is_quantized(self):
@@ -169,3 +172,50 @@ def quantize_experts(model: torch.nn.Module, format: str, *, group_size: int = 1
         for _, module in modules:
             module.config._experts_implementation = NAME
     return len(converted)
+
+
+def _expert_parallel_forward(module, sharded, activation, hidden_states, top_k_index, top_k_weights):
+    from moe_xpu.distributed import expert_parallel_fused_moe
+
+    placement, group = sharded
+    gate_up_bias, down_bias = _biases(module)
+    return expert_parallel_fused_moe(hidden_states, module.gate_up_proj, module.down_proj, top_k_weights,
+                                     top_k_index, placement, group=group, activation=activation,
+                                     gate_up_bias=gate_up_bias, down_bias=down_bias)
+
+
+def shard_experts(model: torch.nn.Module, group=None, placement=None) -> int:
+    """Expert parallelism: keeps in every experts module of ``model`` only this rank's experts
+    (``placement``, an ``ExpertPlacement``; contiguous shares of the group's ranks by default) and
+    runs its MoE with ``moe_xpu.distributed.expert_parallel_fused_moe``: each rank routes its own
+    tokens (data-parallel attention, expert-parallel experts), token rows cross to the ranks
+    holding their experts and come back. Every rank of ``group`` must run the same number of
+    forward passes. Registers this backend and sets it as the model's experts implementation.
+    The standard experts layout only (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3). Returns the
+    number of modules sharded."""
+    import torch.distributed as dist
+
+    from moe_xpu.distributed import ExpertPlacement
+
+    modules = list(_experts_modules(model))
+    if not modules:
+        raise UnsupportedExpertsLayout(f"moe_xpu: {type(model).__name__} has no experts module following "
+                                       f"transformers' experts interface (@use_experts_implementation)")
+    for name, module in modules:
+        if _fused_activation(module) is None or _is_quantized(module):
+            raise UnsupportedExpertsLayout(f"moe_xpu: expert parallelism needs the standard float experts layout; "
+                                           f"{name} ({type(module).__name__}) is not")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for _, module in modules:
+        E = module.gate_up_proj.shape[0]
+        owner = placement if placement is not None else ExpertPlacement.contiguous(E, world)
+        mine = owner.local_experts(rank)
+        for attr in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            w = getattr(module, attr, None)
+            if isinstance(w, torch.Tensor):
+                setattr(module, attr, torch.nn.Parameter(w.detach()[mine].clone(), requires_grad=w.requires_grad))
+        module._moe_xpu_expert_parallel = (owner, group)
+    register()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(NAME)
+    return len(modules)
