@@ -4,8 +4,8 @@ Spawns 2 and 4 processes; each holds a contiguous share of the experts and route
 tokens (uniform random top-k). Per phase (dispatch: counts and rows out; compute: the local
 experts; combine: rows home and the slot sum) the median over repeats of the slowest rank, and
 the bytes each token puts on the wire per layer: its row to every other rank holding one of its
-experts (once per rank: the minimum), with its ids and weights, and one float32 row back per
-slot computed elsewhere. Then the same counts for a DeepSeek-V3-sized layer, in expectation
+experts (once per rank), beside the minimum the routing allows and the uniform-routing
+expectation, with its ids and weights, and one float32 row back per slot computed elsewhere. Then the same counts for a DeepSeek-V3-sized layer, in expectation
 under uniform routing, and the time they take at a stated link bandwidth.
 """
 
@@ -82,8 +82,13 @@ def _rank_main(rank: int, world: int, port: int, repeats: int, queue) -> None:
         remote_rows = sum(n for d, n in enumerate(routed.send_counts) if d != rank)
         remote_slots = int((routed.local_ids >= 0).sum()) - int((routed.local_ids[
             sum(routed.recv_counts[:rank]):sum(routed.recv_counts[:rank + 1])] >= 0).sum())
+        # The minimum, from the routing alone: each token's row once to each other rank among its
+        # experts' owners.
+        holds = torch.zeros(ids.shape[0], world, dtype=torch.bool)
+        holds[torch.arange(ids.shape[0])[:, None], placement.owner[ids]] = True
+        minimum_rows = int(holds.sum()) - int(holds[:, rank].sum())
         sent = torch.tensor([remote_rows * c["H"] * esize, remote_rows * c["top_k"] * (8 + esize),
-                             remote_slots * c["H"] * 4], dtype=torch.float64)
+                             remote_slots * c["H"] * 4, minimum_rows * c["H"] * esize], dtype=torch.float64)
         dist.all_reduce(sent)
         if rank == 0:
             queue.put((world, medians.tolist(), (sent / (world * c["tokens_per_rank"])).tolist()))
@@ -97,7 +102,7 @@ def bench_ep(worlds=(2, 4), repeats: int = 5, link_gbs: float = 50.0) -> list[tu
           f"(contiguous shares), top-{c['top_k']}, H {c['H']}, I {c['I']}, bfloat16, median of {repeats}, "
           f"slowest rank")
     print(f"{'ranks':>5} {'dispatch ms':>12} {'compute ms':>11} {'combine ms':>11} {'rows out B/token':>17} "
-          f"{'expected':>9} {'ids+weights B/token':>20} {'rows back B/token':>18}")
+          f"{'minimum':>8} {'uniform':>8} {'ids+weights B/token':>20} {'rows back B/token':>18}")
     ctx = mp.get_context("spawn")
     results = []
     for world in worlds:
@@ -107,7 +112,7 @@ def bench_ep(worlds=(2, 4), repeats: int = 5, link_gbs: float = 50.0) -> list[tu
         _, medians, sent = queue.get()
         expected = wire_bytes_per_token(c["experts"], c["top_k"], c["H"], world)
         print(f"{world:>5} {medians[0] * 1e3:>12.2f} {medians[1] * 1e3:>11.2f} {medians[2] * 1e3:>11.2f} "
-              f"{sent[0]:>17.0f} {expected['rows out']:>9.0f} {sent[1]:>20.0f} {sent[2]:>18.0f}")
+              f"{sent[0]:>17.0f} {sent[3]:>8.0f} {expected['rows out']:>8.0f} {sent[1]:>20.0f} {sent[2]:>18.0f}")
         results.append((world, medians, sent))
     print(f"\nprojection, DeepSeek-V3-sized layer (256 experts, top-8, hidden 7168, bf16 rows), uniform routing, "
           f"link {link_gbs:.0f} GB/s per rank:")
