@@ -83,15 +83,24 @@ def _check_local(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                f"found {int(topk_ids[bad][0])}")
 
 
-def _agree_on_errors(error: Exception | None, rank: int, group) -> None:
-    """Raises on every rank if the inputs of any rank were bad (one all_reduce, no hang)."""
-    flag = torch.tensor([1 if error is None else 0], dtype=torch.int32)
-    flag = flag.to(_collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _agree_on_errors(error: Exception | None, shape: tuple[int, int, int], rank: int, group) -> None:
+    """Raises on every rank if the inputs of any rank were bad or the ranks disagree on H, k or the
+    dtype (two all_reduces, no hang)."""
+    mine = torch.tensor([1 if error is None else 0, *shape], dtype=torch.int64)
+    low = mine.to(_collective_device(group))
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
         raise error
-    if int(flag.item()) == 0:
+    if int(low[0]) == 0:
         raise MoeXpuInputError(f"expert_parallel_fused_moe: another rank's inputs were rejected (this is rank {rank})")
+    if not torch.equal(low[1:], high[1:]):
+        raise MoeXpuInputError(f"expert_parallel_fused_moe: the ranks' hidden size H, top-k k and dtype must agree; "
+                               f"rank {rank} has H = {shape[0]}, k = {shape[1]}, dtype code {shape[2]}")
 
 
 def _collective_device(group) -> torch.device:
@@ -139,7 +148,8 @@ def expert_parallel_fused_moe(
                      activation, gate_up_bias, down_bias)
     except Exception as e:  # noqa: BLE001  (any rejection must reach the other ranks first)
         error = e if isinstance(e, MoeXpuInputError) else MoeXpuInputError(f"rank {rank}: {e}")
-    _agree_on_errors(error, rank, group)
+    shape = (0, 0, 0) if error else (hidden_states.shape[1], topk_ids.shape[1], _DTYPE_CODES[hidden_states.dtype])
+    _agree_on_errors(error, shape, rank, group)
 
     routed = dispatch(hidden_states, topk_weights, topk_ids, placement, group)
     # The local experts on every received row: one weighted float32 row per local slot.

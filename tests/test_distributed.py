@@ -52,7 +52,7 @@ def _token_ranges(T: int, world: int):
     return [(cuts[r], cuts[r + 1]) for r in range(world)]
 
 
-def _worker(rank, world, port, dtype, placement_kind, bad_rank):
+def _worker(rank, world, port, dtype, placement_kind, bad_rank, bad="id"):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -62,10 +62,17 @@ def _worker(rank, world, port, dtype, placement_kind, bad_rank):
         mine = placement.local_experts(rank)
         start, stop = _token_ranges(x.shape[0], world)[rank]
         my_ids = ids[start:stop].clone()
-        if rank == bad_rank and my_ids.numel():
+        my_x, my_weights = x[start:stop], weights[start:stop]
+        if rank == bad_rank and bad == "id":
             my_ids[0, 0] = E  # outside the placement
-        args = (x[start:stop], w1[mine], w2[mine], weights[start:stop], my_ids, placement)
+        if rank == bad_rank and bad == "top_k":  # valid here, but not what the other ranks send
+            my_ids, my_weights = my_ids[:, :2], my_weights[:, :2]
+        args = (my_x, w1[mine], w2[mine], my_weights, my_ids, placement)
         kwargs = dict(gate_up_bias=b1[mine], down_bias=b2[mine])
+        if bad == "top_k":
+            with pytest.raises(moe_xpu.MoeXpuInputError, match="must agree"):
+                expert_parallel_fused_moe(*args, **kwargs)
+            return
         if bad_rank is not None:
             expected = "topk_ids on rank" if rank == bad_rank else "another rank's inputs"
             with pytest.raises(moe_xpu.MoeXpuInputError, match=expected):
@@ -85,8 +92,10 @@ def test_bitwise_equal_to_one_process(world, dtype, placement_kind):
     mp.spawn(_worker, args=(world, _free_port(), dtype, placement_kind, None), nprocs=world, join=True)
 
 
-def test_bad_input_on_one_rank_raises_on_every_rank():
-    mp.spawn(_worker, args=(2, _free_port(), torch.float32, "contiguous", 0), nprocs=2, join=True)
+@pytest.mark.parametrize("bad", ["id", "top_k"])
+def test_bad_input_on_one_rank_raises_on_every_rank(bad):
+    """An expert id outside the placement on rank 0, or a top-k the other ranks do not share."""
+    mp.spawn(_worker, args=(2, _free_port(), torch.float32, "contiguous", 0, bad), nprocs=2, join=True)
 
 
 def test_token_ranges_cover_every_token_once():
