@@ -264,17 +264,24 @@ def _fused_moe_op(
     raise NotImplementedError(f"moe_xpu.fused_moe has no implementation for device {hidden_states.device}")
 
 
-def _fused_moe_checked(*args):
-    """fused_moe on arguments whose metadata was checked."""
+def run_on_backend(args: tuple, fallback, sycl):
+    """Runs fused-MoE arguments whose metadata was checked (hidden_states, gate_up_proj, down_proj,
+    topk_weights, topk_ids, ...) with ``fallback`` (plain PyTorch: CPU tensors with the torch
+    backend) or ``sycl``, checking the routing ids on the way."""
     hidden_states, topk_ids, num_experts = args[0], args[4], args[1].shape[0]
     if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
         _check_topk_id_values(topk_ids, num_experts)
-        return torch_fallback.fused_moe(*args)
+        return fallback(*args)
     if _runtime.sycl_module() is None:
         raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
     if hidden_states.device.type != "cpu":
         _check_topk_id_values(topk_ids, num_experts)  # on the CPU the host sort checks them
-    return _fused_moe_sycl(*args)
+    return sycl(*args)
+
+
+def _fused_moe_checked(*args):
+    """fused_moe on arguments whose metadata was checked."""
+    return run_on_backend(args, torch_fallback.fused_moe, _fused_moe_sycl)
 
 
 def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
@@ -287,14 +294,7 @@ def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, top
     check_fused_moe_metadata(*args)
     if _is_quantized(gate_up_proj):
         _fail("fused_moe_per_slot takes float weights")
-    if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
-        _check_topk_id_values(topk_ids, gate_up_proj.shape[0])
-        return torch_fallback.fused_moe_per_slot(*args)
-    if _runtime.sycl_module() is None:
-        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
-    if hidden_states.device.type != "cpu":
-        _check_topk_id_values(topk_ids, gate_up_proj.shape[0])
-    return _per_slot_sycl(*args)
+    return run_on_backend(args, torch_fallback.fused_moe_per_slot, _per_slot_sycl)
 
 
 def _fused_moe_impl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",

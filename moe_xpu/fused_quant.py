@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_xpu import _dispatch, _runtime, fused, torch_fallback
+from moe_xpu import _dispatch, fused, torch_fallback
 from moe_xpu.ops import rows_contiguous
 from moe_xpu.quant import QuantizedExperts, run_quant
 
@@ -64,15 +64,7 @@ def _fused_reference(hidden_states, gate_up: QuantizedExperts, down: QuantizedEx
 
 def _run_checked(hidden_states, gate_up, down, topk_weights, topk_ids, activation, gate_up_bias, down_bias):
     args = (hidden_states, gate_up, down, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
-    E = gate_up.shape[0]
-    if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
-        fused._check_topk_id_values(topk_ids, E)
-        return _fused_reference(*args)
-    if _runtime.sycl_module() is None:
-        raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
-    if hidden_states.device.type != "cpu":
-        fused._check_topk_id_values(topk_ids, E)  # on the CPU the host sort checks them
-    return _fused_sycl(*args)
+    return fused.run_on_backend(args, _fused_reference, _fused_sycl)
 
 
 @torch.library.custom_op("moe_xpu::fused_moe_quant", mutates_args=())
