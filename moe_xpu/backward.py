@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from moe_xpu import _runtime
+from moe_xpu._host_memory import empty_strided_for_write
 from moe_xpu.ops import SUPPORTED_DTYPES, MoeXpuInputError, _launcher_dtype, _moe_gemm_op, moe_gemm, rows_contiguous
 
 
@@ -35,7 +36,7 @@ def _empty_weight_grad(a, grad_out, group_offsets, k_contiguous: bool) -> torch.
     weights seen through ``.transpose(1, 2)``) or N contiguous."""
     E, K, N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
     strides = (N * K, 1, K) if k_contiguous else (K * N, N, 1)
-    return torch.empty_strided((E, K, N), strides, dtype=a.dtype, device=a.device)
+    return empty_strided_for_write((E, K, N), strides, dtype=a.dtype, device=a.device)
 
 
 def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):

@@ -210,3 +210,54 @@ def test_gradient_of_b_alone_skips_a():
     _, rb, _ = moe_gemm_grad_reference(a, b.detach(), offs, torch.ones(10, 8))
     assert_close_to(b.grad, rb, torch.float32, "grad b")
     assert a.grad is None
+
+
+def _huge_page_bytes_behind(address: int) -> int | None:
+    """AnonHugePages of the mapping holding address (None where /proc/self/smaps is missing)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _transparent_huge_pages_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.parametrize("layout", ["linear", "kn"])
+def test_large_weight_gradient(layout):
+    """A weight gradient large enough (32 MB) to be asked for on huge pages: right values,
+    experts without rows zero, and, where the kernel offers transparent huge pages, backed by
+    some."""
+    torch.manual_seed(0)
+    E, K, N = 8, 1024, 1024
+    counts = [3, 0, 5, 0, 0, 1, 7, 0]
+    offs = offsets(counts)
+    a = torch.randn(sum(counts), K)
+    b = make_b(E, K, N, torch.float32, layout)
+    grad_out = torch.randn(sum(counts), N)
+    b = b.detach().requires_grad_()
+    moe_xpu.moe_gemm(a, b, offs).backward(grad_out)
+    start = 0
+    for g, n in enumerate(counts):
+        want = a[start:start + n].double().t() @ grad_out[start:start + n].double()
+        torch.testing.assert_close(b.grad[g].double(), want, rtol=1e-5, atol=1e-4)
+        start += n
+    assert b.grad.stride() == b.stride()
+    if _transparent_huge_pages_mode() in ("always", "madvise"):
+        backed = _huge_page_bytes_behind(b.grad.data_ptr() + b.grad.nbytes // 2)
+        assert backed is None or backed > 0, "the weight gradient got no huge pages"

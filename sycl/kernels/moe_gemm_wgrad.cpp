@@ -69,8 +69,8 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
     // Units ordered column tile by column tile, K tiles inside: a worker's consecutive units
     // read the same columns of dY, kept in cache.
     for (int64_t t = first > base ? (first - base + unit - 1) / unit : 0; t < tiles && base + t * unit < last; ++t) {
-      const int64_t n0 = (t / tiles_k) * tile_n;
-      const int64_t k0 = (t % tiles_k) * TK;
+      const int64_t n0 = (t % tiles_n) * tile_n;
+      const int64_t k0 = (t / tiles_n) * TK;
       const bool full = n0 + tile_n <= N;
       // A last tile in whole 16-column vectors reads the tile's first vector in place of those
       // past N (never stored): consecutive loads instead of per-lane clamped gathers.
@@ -89,33 +89,54 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
       for (int i = 0; i < TK; ++i)
         #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
-      for (int64_t m = row_begin; m < row_end; ++m) {
-        const int64_t source = gather_dy ? source_row(gather_index, gather_is64, m, dy_rows) : 0;
-        const T* a_row = a + (gather_dy ? m : source_row(gather_index, gather_is64, m, a_rows)) * a_row_stride;
-        const T* dy_row = dy + (gather_dy ? source : m) * dy_row_stride;
-        float dv[TN];
-        if (full || whole_vectors) {
+      // The rows' walk, with the dY strip's load as a parameter: the consecutive and the clamped
+      // loads each get a loop of their own. Chosen per row inside one loop, the compiler merged
+      // them into one load from a selected address, and every dY vector became a gather.
+      auto walk_rows = [&](auto load_dy) {
+        for (int64_t m = row_begin; m < row_end; ++m) {
+          const int64_t source = gather_dy ? source_row(gather_index, gather_is64, m, dy_rows) : 0;
+          const T* a_row = a + (gather_dy ? m : source_row(gather_index, gather_is64, m, a_rows)) * a_row_stride;
+          float dv[TN];
+          load_dy(dy + (gather_dy ? source : m) * dy_row_stride, dv);
+          #pragma unroll
+          for (int i = 0; i < TK; ++i) {
+            const float av = to_float(a_row[kk[i]]);
+            #pragma unroll
+            for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, dv[j], acc[i][j]);
+          }
+        }
+      };
+      if (full || whole_vectors) {
+        walk_rows([&](const T* dy_row, float (&dv)[TN]) {
           const T* dy_lane = dy_row + n0 + w.lane;
           #pragma unroll
           for (int j = 0; j < TN; ++j) dv[j] = to_float(dy_lane[offset[j]]);
-        } else {
+        });
+      } else {
+        walk_rows([&](const T* dy_row, float (&dv)[TN]) {
           #pragma unroll
           for (int j = 0; j < TN; ++j) dv[j] = to_float(dy_row[col[j] < N ? col[j] : N - 1]);
-        }
-        #pragma unroll
-        for (int i = 0; i < TK; ++i) {
-          const float av = to_float(a_row[kk[i]]);
-          #pragma unroll
-          for (int j = 0; j < TN; ++j) acc[i][j] = sycl::fma(av, dv[j], acc[i][j]);
-        }
+        });
       }
       TOut* out_g = out + g * out_stride_e;
-      #pragma unroll
-      for (int i = 0; i < TK; ++i)
+      if (out_stride_n == 1) {
+        // Lane-consecutive stores (dB N-contiguous, as the launcher always arranges for dense dB);
+        // through the general strides below every store is a scatter.
         #pragma unroll
-        for (int j = 0; j < TN; ++j)
-          if (k0 + i < K && col[j] < N)
-            out_g[(k0 + i) * out_stride_k + col[j] * out_stride_n] = FromFloat<TOut>::convert(acc[i][j]);
+        for (int i = 0; i < TK; ++i) {
+          TOut* out_lane = out_g + (k0 + i) * out_stride_k + n0 + w.lane;
+          #pragma unroll
+          for (int j = 0; j < TN; ++j)
+            if (k0 + i < K && col[j] < N) out_lane[kLanes * j] = FromFloat<TOut>::convert(acc[i][j]);
+        }
+      } else {
+        #pragma unroll
+        for (int i = 0; i < TK; ++i)
+          #pragma unroll
+          for (int j = 0; j < TN; ++j)
+            if (k0 + i < K && col[j] < N)
+              out_g[(k0 + i) * out_stride_k + col[j] * out_stride_n] = FromFloat<TOut>::convert(acc[i][j]);
+      }
     }
     base = group_end;
     return base < last;
