@@ -56,8 +56,11 @@ inline RowTarget row_target(const void* scatter_index, int scatter_is64, const f
 // already added): sums across the 16 lanes, the gated activation (TN/2 gate columns followed by
 // the matching TN/2 up columns), the row weight and the store to the destination rows, converted
 // to TOut. Rows from valid_rows on and columns from N on are not stored.
+// Always inlined: where the CPU compiler kept it a call (the 16-bit outputs' larger body), the
+// caller's accumulators went through memory by scatter and gather at every K chunk, and the
+// K-split kernel with bf16 output took 2.6x the time of the same kernel with float32 output.
 template <int R, int TN, bool Gated, typename TOut>
-inline void k_split_epilogue(const Worker& w, const float (&acc)[R][TN], int activation, int64_t m0,
+__attribute__((always_inline)) inline void k_split_epilogue(const Worker& w, const float (&acc)[R][TN], int activation, int64_t m0,
                              int64_t valid_rows, int64_t n0, int64_t N, TOut* out, int64_t out_row_stride,
                              int64_t out_rows, const void* scatter_index, int scatter_is64,
                              const float* row_weight) {
