@@ -12,13 +12,14 @@ under uniform routing, and the time they take at a stated link bandwidth.
 from __future__ import annotations
 
 import datetime
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moe_xpu.distributed import free_local_port
 
 CASE = dict(tokens_per_rank=64, experts=32, top_k=4, H=1024, I=512)
 
@@ -37,12 +38,6 @@ def wire_bytes_per_token(experts: int, top_k: int, hidden: int, world: int, row_
     return {"rows out": remote_ranks * hidden * row_bytes,
             "ids and weights": remote_ranks * top_k * (8 + row_bytes),
             "rows back": remote_slots * hidden * 4}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, repeats: int, queue) -> None:
@@ -107,7 +102,7 @@ def bench_ep(worlds=(2, 4), repeats: int = 5, link_gbs: float = 50.0) -> list[tu
     results = []
     for world in worlds:
         queue = ctx.SimpleQueue()
-        mp.start_processes(_rank_main, args=(world, _free_port(), repeats, queue), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(world, free_local_port(), repeats, queue), nprocs=world, join=True,
                            start_method="spawn")
         _, medians, sent = queue.get()
         expected = wire_bytes_per_token(c["experts"], c["top_k"], c["H"], world)

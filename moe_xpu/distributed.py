@@ -21,6 +21,7 @@ exchange: a bad argument on one rank raises on every rank instead of leaving the
 
 from __future__ import annotations
 
+import socket
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,14 @@ import torch.distributed as dist
 
 from moe_xpu import fused
 from moe_xpu.ops import MoeXpuInputError
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now: the rendezvous port of a process group started on this
+    machine (the tests, ``python -m moe_xpu.bench ep``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ExpertPlacement(NamedTuple):

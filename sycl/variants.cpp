@@ -394,6 +394,29 @@ std::int64_t local_memory_bytes(const Variant& v, const DeviceDescription& d) {
 
 namespace {
 
+// The tile a forward launch runs: the device's choice for its rows per group and N, or the
+// caller's override (GemmArgs tile_m / tile_n), which must be one the family compiles.
+TileShape forward_tile(Family family, const GemmArgs& args, const DeviceDescription& d, double rows_per_group,
+                       bool overridable) {
+  TileShape shape = choose_tile(family, d, rows_per_group, args.N);
+  if (!overridable || (args.tile_m == 0 && args.tile_n == 0)) return shape;
+  for (TileShape s : family_tiles(family, d))
+    if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) return s;
+  throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
+}
+
+// Workers of a forward launch whose plan has its tile: never more than there can be work units
+// (see for_each_owned_unit in the kernels: a unit covers up to kUnitRows rows of one group; every
+// group may add one partial unit).
+std::int64_t forward_workers(const GemmArgs& args, const LaunchPlan& plan, const DeviceDescription& d,
+                             std::int64_t workers_per_cu, std::int64_t subgroups_per_wg) {
+  const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
+  const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
+  const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
+  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
+  return worker_count(d, workers_per_cu, flops, args.num_workers, max_units, subgroups_per_wg);
+}
+
 // The plan of a launch with quantized B: the quantized family (gated with an activation), the
 // k_lanes tile choice and worker count.
 LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
@@ -407,13 +430,7 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   const Family family = gated ? Family::quant_gated : Family::quant;
   const double rows_per_group =
       args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
-  TileShape shape = choose_tile(family, d, rows_per_group, args.N);
-  if (args.tile_m != 0 || args.tile_n != 0) {
-    bool found = false;
-    for (TileShape s : family_tiles(family, d))
-      if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) shape = s, found = true;
-    if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
-  }
+  const TileShape shape = forward_tile(family, args, d, rows_per_group, true);
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
   plan.tile_m = shape.tile_m;
@@ -423,11 +440,7 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   // sub-groups per work-group and 32 workers per compute unit on GPUs.
   const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
   plan.work_group_size = subgroups_per_wg * kSubGroupSize;
-  const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
-  const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
-  const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
-  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
-  plan.num_workers = worker_count(d, d.is_cpu ? 16 : 32, flops, args.num_workers, max_units, subgroups_per_wg);
+  plan.num_workers = forward_workers(args, plan, d, d.is_cpu ? 16 : 32, subgroups_per_wg);
   return plan;
 }
 
@@ -473,16 +486,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
                         : !k_lanes ? Family::matrix_kn
                         : gated    ? Family::matrix_gated
                                    : Family::matrix;
-  TileShape shape = choose_tile(family, d, rows_per_group, args.N);
-  if (!use_matrix && (args.tile_m != 0 || args.tile_n != 0)) {
-    bool found = false;
-    for (TileShape s : family_tiles(family, d))
-      if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) {
-        shape = s;
-        found = true;
-      }
-    if (!found) throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
-  }
+  const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix);
 
   const std::int64_t lanes = use_matrix && k_lanes ? engine_tile(d).sub_group_size : kSubGroupSize;
   LaunchPlan plan;
@@ -507,13 +511,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const std::int64_t subgroups_per_wg = cpu ? 1 : 4;
   const std::int64_t workers_per_cu = cpu ? 16 : use_matrix ? 8 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
-  // Never more workers than there can be work units (see for_each_owned_unit in the kernel: a
-  // unit covers up to kUnitRows rows of one group; every group may add one partial unit).
-  const std::int64_t tiles_n = (args.N + plan.tile_n - 1) / plan.tile_n;
-  const std::int64_t unit_rows = (kUnitRows / plan.tile_m) * plan.tile_m;
-  const std::int64_t max_units = (args.out_rows / unit_rows + args.num_groups + 1) * tiles_n;
-  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N);
-  plan.num_workers = worker_count(d, workers_per_cu, flops, args.num_workers, max_units, subgroups_per_wg);
+  plan.num_workers = forward_workers(args, plan, d, workers_per_cu, subgroups_per_wg);
   return plan;
 }
 

@@ -4,7 +4,6 @@ bitwise the one-process fused_moe; bad input on one rank raises on every rank.""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
@@ -12,16 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moe_xpu
-from moe_xpu.distributed import ExpertPlacement, expert_parallel_fused_moe
+from moe_xpu.distributed import ExpertPlacement, expert_parallel_fused_moe, free_local_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _problem(seed: int, dtype: torch.dtype, T=29, H=48, I=40, E=12, k=3):
@@ -89,13 +82,13 @@ def _worker(rank, world, port, dtype, placement_kind, bad_rank, bad="id"):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype,placement_kind", [(torch.float32, "contiguous"), (torch.bfloat16, "scattered")])
 def test_bitwise_equal_to_one_process(world, dtype, placement_kind):
-    mp.spawn(_worker, args=(world, _free_port(), dtype, placement_kind, None), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_local_port(), dtype, placement_kind, None), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("bad", ["id", "top_k"])
 def test_bad_input_on_one_rank_raises_on_every_rank(bad):
     """An expert id outside the placement on rank 0, or a top-k the other ranks do not share."""
-    mp.spawn(_worker, args=(2, _free_port(), torch.float32, "contiguous", 0, bad), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_local_port(), torch.float32, "contiguous", 0, bad), nprocs=2, join=True)
 
 
 def test_token_ranges_cover_every_token_once():
@@ -136,7 +129,7 @@ def test_expert_parallel_example_generates_the_one_process_tokens(nproc, family)
 
     example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "expert_parallel.py"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                          "--master-port", str(_free_port()), str(example), "--family", family,
+                          "--master-port", str(free_local_port()), str(example), "--family", family,
                           "--prompt-tokens", "6", "--new-tokens", "3"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -240,11 +240,11 @@ def _transparent_huge_pages_mode() -> str:
 
 @pytest.mark.parametrize("layout", ["linear", "kn"])
 def test_large_weight_gradient(layout):
-    """A weight gradient large enough (32 MB) to be asked for on huge pages: right values,
-    experts without rows zero, and, where the kernel offers transparent huge pages, backed by
-    some."""
+    """A weight gradient large enough (128 MB; glibc serves allocations above 32 MB from fresh
+    mappings) to be asked for on huge pages: right values, experts without rows zero, and, where
+    the kernel offers transparent huge pages, backed by some."""
     torch.manual_seed(0)
-    E, K, N = 8, 1024, 1024
+    E, K, N = 8, 2048, 2048
     counts = [3, 0, 5, 0, 0, 1, 7, 0]
     offs = offsets(counts)
     a = torch.randn(sum(counts), K)
