@@ -150,10 +150,9 @@ _moe_gemm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # fused_moe's backward. Nothing beyond the inputs is saved: the backward recomputes the first
-# GEMM (gate/up pre-activations) and, when topk_weights need a gradient, the second (each
-# expert's output row before weighting). That costs those forward GEMMs again (the backward runs
-# 2 to 3 forward-sized GEMMs plus 4 gradient GEMMs) and saves the [T*k, 2I] and [T*k, H] float32
-# activations per layer that saving them would keep alive from the forward to the backward.
+# GEMM (gate/up pre-activations). That costs one forward-sized GEMM again (the backward runs it
+# and 4 gradient GEMMs) and saves the [T*k, 2I] float32 activations per layer that saving them
+# would keep alive from the forward to the backward.
 
 
 def _activation_and_slope(activation: str, gate: torch.Tensor):
@@ -212,10 +211,17 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
     row_weight = weights.reshape(-1).float()[positions]
     grad_y = (grad_rows * row_weight[:, None]).to(dtype)  # gradient of each pair's expert output
 
-    grad_weights = None
+    # One GEMM serves both the top-k weights' gradient and h's: with g a pair's dOut and y = D h + b
+    # its expert's output, d/dweight = <g, y> = <D^T g, h> + <g, b>, and dh = weight * D^T g. (The
+    # second GEMM is not recomputed for y.)
+    grad_weights = grad_h_unweighted = None
+    if want_weights or want_x or want_gate_up or want_gate_up_bias:
+        grad_h_unweighted = moe_gemm(grad_rows.to(dtype), down, offsets, out_dtype=torch.float32)
     if want_weights:
-        y = moe_gemm(h, down.transpose(1, 2), offsets, bias=down_bias, out_dtype=torch.float32)
-        per_pair = (grad_rows * y).sum(1)
+        per_pair = (grad_h_unweighted * h.float()).sum(1)
+        if down_bias is not None:
+            pair_expert = ids.reshape(-1)[positions].long()
+            per_pair = per_pair + (grad_rows * down_bias.float()[pair_expert]).sum(1)
         grad_weights = per_pair.new_zeros(T * k)
         grad_weights[positions] = per_pair
         grad_weights = grad_weights.view(T, k).to(weights.dtype)
@@ -226,7 +232,7 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
 
     grad_x = grad_gate_up = grad_gate_up_bias = None
     if want_x or want_gate_up or want_gate_up_bias:
-        grad_h = moe_gemm(grad_y, down, offsets, out_dtype=torch.float32)
+        grad_h = grad_h_unweighted * row_weight[:, None]
         grad_pre = torch.cat([grad_h * up * slope, grad_h * act], dim=1).to(dtype)
         if want_x:
             rows = moe_gemm(grad_pre, gate_up, offsets, out_dtype=torch.float32)
