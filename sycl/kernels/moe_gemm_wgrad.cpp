@@ -66,8 +66,10 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
       base = group_end;
       return base < last;
     }
-    // Units ordered column tile by column tile, K tiles inside: a worker's consecutive units
-    // read the same columns of dY, kept in cache.
+    // Units ordered K tile by K tile, column tiles inside: a worker's consecutive units store
+    // along the same TK rows of dB, long runs of consecutive memory (column tiles outside
+    // measured 134 vs 85-100 ms on the fused 64tok gate_up gradient, float32). The group's rows
+    // of A and dY they read stay in cache either way.
     for (int64_t t = first > base ? (first - base + unit - 1) / unit : 0; t < tiles && base + t * unit < last; ++t) {
       const int64_t n0 = (t % tiles_n) * tile_n;
       const int64_t k0 = (t / tiles_n) * TK;
