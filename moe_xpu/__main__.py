@@ -59,7 +59,8 @@ def info(warm_up: bool = False) -> None:
 
         print(f"  tuning         vector class {t['vector_class']} ({t['vector_width']} floats a register): "
               f"K-split tiles {shapes(t['k_lanes_tiles'])}, N-split tiles {shapes(t['n_lanes_tiles'])} "
-              f"(rows x columns per lane group; decode shape first)")
+              f"(rows x columns per lane group; decode shape first); 4-bit weights decoded "
+              f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
     if C is not None:
         files = C.kernel_files()
         digest = hashlib.sha256("".join(text for _, text in files).encode()).hexdigest()[:12]

@@ -28,7 +28,8 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
                   py::arg("vector_class") = moe_xpu::cpu_vector_class(d), py::arg("vector_width") = d.vector_width,
                   py::arg("sub_group_sizes") = d.sub_group_sizes, py::arg("local_mem_size") = d.local_mem_size,
                   py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes,
-                  py::arg("k_lanes_tiles") = tiles(Family::k_lanes), py::arg("n_lanes_tiles") = tiles(Family::n_lanes));
+                  py::arg("k_lanes_tiles") = tiles(Family::k_lanes), py::arg("n_lanes_tiles") = tiles(Family::n_lanes),
+                  py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d));
 }
 
 }  // namespace

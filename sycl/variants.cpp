@@ -128,6 +128,21 @@ Family family_of(bool k_lanes, bool gated) {
 
 std::string cpu_vector_class(const DeviceDescription& d) { return d.is_cpu ? cpu_tile_table(d).name : "gpu"; }
 
+// 4-bit weights are decoded by a table lookup across the sub-group where a 16-lane permute is one
+// instruction (GPUs, AVX-512 CPUs), arithmetically elsewhere (see packed_step in moe_gemm_quant.cpp).
+// MOE_XPU_NIBBLE_DECODE=lookup|arithmetic overrides it (tests run both on any host: same bits).
+bool nibble_lookup(const DeviceDescription& d) {
+  static const int forced = []() {
+    const char* v = std::getenv("MOE_XPU_NIBBLE_DECODE");
+    if (v == nullptr || *v == '\0') return -1;
+    const std::string s(v);
+    if (s == "lookup") return 1;
+    if (s == "arithmetic") return 0;
+    throw std::invalid_argument("moe_xpu: MOE_XPU_NIBBLE_DECODE must be lookup or arithmetic, not " + s);
+  }();
+  return forced >= 0 ? forced == 1 : (!d.is_cpu || d.vector_width >= 16);
+}
+
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
   switch (f) {
     case Family::k_lanes:
@@ -234,7 +249,8 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
   }
   if (f == Family::quant || f == Family::quant_gated) {
     args << type_name(a) << ", " << format_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", "
-         << s.tile_n << ", " << (f == Family::quant_gated ? "true" : "false");
+         << s.tile_n << ", " << (f == Family::quant_gated ? "true" : "false") << ", "
+         << (nibble_lookup(d) ? "true" : "false");
     return args.str();
   }
   if (f == Family::matrix || f == Family::matrix_gated) {

@@ -39,6 +39,8 @@ struct Variant {
 // the description's vector width; "gpu" for a GPU.
 std::string cpu_vector_class(const DeviceDescription& d);
 
+// 4-bit weights decoded by a table lookup across the sub-group (else arithmetically).
+bool nibble_lookup(const DeviceDescription& d);
 Family family_of(bool k_lanes, bool gated);
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
 // The engine tiles the K-contiguous matrix kernel is written for (AMX, XMX on 16 and on 8 lanes).

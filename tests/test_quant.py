@@ -148,6 +148,52 @@ def test_bitwise_reproducible(fmt, kw):
     assert torch.equal(first, moe_xpu.moe_gemm(a, q, go))
 
 
+_DECODE_SCRIPT = """
+import sys, torch, moe_xpu
+from moe_xpu import _runtime
+print(_runtime.sycl_module().device_description(0)["nibble_lookup"])
+torch.manual_seed(0)
+results = []
+for fmt, kw in [("int4", {"group_size": 32, "zero_point": True}), ("int4", {"group_size": 128}), ("mxfp4", {})]:
+    g = kw.get("group_size", 32)  # K in whole blocks of 128 and, where the block allows, a short last one
+    for counts, K, N in [([0, 37, 0, 3, 1], 384, 40), ([1, 0, 2, 1] * 8, 128 + g // 32 * 32 % 128, 18),
+                         ([5, 9], 256 + 3 * g % 128, 33)]:
+        w = torch.randn(len(counts), N, K).transpose(1, 2)
+        q = moe_xpu.quantize_experts(w, fmt, **kw)
+        go = torch.tensor(counts).cumsum(0).to(torch.int32)
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(sum(counts), K).to(dtype)
+            results.append(moe_xpu.moe_gemm(a, q, go))
+            results.append(moe_xpu.fused_moe(torch.randn(6, K).to(dtype), moe_xpu.quantize_experts(
+                torch.randn(len(counts), 2 * 128, K).transpose(1, 2), fmt, **kw),
+                moe_xpu.quantize_experts(torch.randn(len(counts), K, 128).transpose(1, 2), fmt, **kw),
+                torch.rand(6, 2), torch.randint(0, len(counts), (6, 2))))
+torch.save(results, sys.argv[1])
+"""
+
+
+def test_4_bit_decodes_give_the_same_bits(C, tmp_path):
+    """4-bit weights are decoded by a sub-group table lookup on AVX-512 CPUs and GPUs and
+    arithmetically on narrower CPUs: both paths, forced on this host, give bitwise the same
+    outputs (each path's accuracy is covered by the tests above on the hosts that pick it)."""
+    import os
+    import subprocess
+    import sys
+
+    outputs = {}
+    for decode in ("lookup", "arithmetic"):
+        env = dict(os.environ, MOE_XPU_NIBBLE_DECODE=decode, MOE_XPU_BACKEND="sycl")
+        path = tmp_path / f"{decode}.pt"
+        done = subprocess.run([sys.executable, "-c", _DECODE_SCRIPT, str(path)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[0] == ("True" if decode == "lookup" else "False")
+        outputs[decode] = torch.load(path)
+    assert len(outputs["lookup"]) == len(outputs["arithmetic"]) > 0
+    for x, y in zip(outputs["lookup"], outputs["arithmetic"]):
+        assert torch.equal(x, y)
+
+
 # ---------------------------------------------------------------------------------------------
 # The container and the quantizers
 # ---------------------------------------------------------------------------------------------

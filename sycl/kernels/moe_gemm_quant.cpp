@@ -139,25 +139,50 @@ __attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN]
   }
 }
 
-// One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized by
-// a 16-entry table lookup across the sub-group: lane l holds the dequantized value of code l for
-// each column (its scale and zero point applied), and select_from_group fetches entry q. One
-// permute per value where arithmetic decoding took five to eight instructions.
-template <int R, int TN, typename TA>
+// Exact e2m1 decode with integer shifts: twice the magnitude of code m & 7 is nibble m of
+// 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), bit 3 the sign. No comparisons or selects, so no lane
+// masks on any vector width; bitwise equal to e2m1_to_float.
+inline float e2m1_to_float_shifts(uint32_t x) {
+  const float v = float((0xC8643210u >> ((x & 7u) * 4u)) & 0xfu) * 0.5f;
+  return sycl::bit_cast<float>(sycl::bit_cast<uint32_t>(v) ^ ((x & 8u) << 28));
+}
+
+// A 4-bit code dequantized arithmetically (the decode without the lookup table, see packed_step).
+template <typename Fmt>
+__attribute__((always_inline)) inline float nibble_value(uint32_t q, float zero) {
+  if constexpr (std::is_same_v<Fmt, Mxfp4Weights>) return e2m1_to_float_shifts(q);
+  else return Fmt::value(q, zero);
+}
+
+// One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized
+// either by a 16-entry table lookup across the sub-group (Lookup: lane l holds the dequantized
+// value of code l for each column, its scale and zero point applied, and select_from_group fetches
+// entry q: one permute per value where arithmetic decoding took five to eight instructions), or
+// arithmetically. The lookup is for devices whose sub-group permute is one instruction (AVX-512's
+// 16-lane vpermps, GPU shuffles); on narrower CPUs a 16-lane permute spans registers and the CPU
+// compiler spilled the table and read it back lane by lane (AVX2: 10x slower than arithmetic).
+// Both give the same bits: (value(q) - z) * scale.
+template <bool Lookup, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void packed_step(float (&acc)[R][TN], const TA* const (&a_row)[R],
                                                        const uint32_t (&word)[TN], int r, int64_t k,
-                                                       const sycl::sub_group& sg, const float (&table)[TN]) {
+                                                       const sycl::sub_group& sg, const float (&table)[TN],
+                                                       const float (&zero)[TN]) {
   float bv[TN];
   #pragma unroll
-  for (int j = 0; j < TN; ++j) bv[j] = sycl::select_from_group(sg, table[j], (word[j] >> (4 * r)) & 0xfu);
+  for (int j = 0; j < TN; ++j) {
+    const uint32_t q = (word[j] >> (4 * r)) & 0xfu;
+    if constexpr (Lookup) bv[j] = sycl::select_from_group(sg, table[j], q);
+    else bv[j] = nibble_value<Fmt>(q, zero[j]) * table[j];
+  }
   quant_step<R, TN, TA>(acc, a_row, k, bv);
 }
 
-// Each column's lookup table for the scale block of k: lane l's entry is code l dequantized
-// (code_value: Fmt::value of code l without zero point, computed once).
-template <int TN, typename Fmt>
-__attribute__((always_inline)) inline void packed_tables(float (&table)[TN], int64_t k, float code_value,
-                                                         int block_shift, const void* scale,
+// Each column's decode state for the scale block of k. Lookup: table[j] is lane l's entry, code l
+// dequantized (code_value: Fmt::value of code l without zero point, computed once); otherwise
+// table[j] is the block's scale and zero[j] its zero point.
+template <bool Lookup, int TN, typename Fmt>
+__attribute__((always_inline)) inline void packed_tables(float (&table)[TN], float (&zero_of)[TN], int64_t k,
+                                                         float code_value, int block_shift, const void* scale,
                                                          const int64_t (&scale_at)[TN], int64_t scale_stride_k,
                                                          const uint8_t* zero, const int64_t (&zero_at)[TN],
                                                          int64_t zero_stride_k) {
@@ -165,13 +190,19 @@ __attribute__((always_inline)) inline void packed_tables(float (&table)[TN], int
   #pragma unroll
   for (int j = 0; j < TN; ++j) {
     const float z = Fmt::kZeroPoints ? float(zero[zero_at[j] + block * zero_stride_k]) : 0.0f;
-    table[j] = (code_value - z) * Fmt::scale(scale, scale_at[j] + block * scale_stride_k);
+    const float s = Fmt::scale(scale, scale_at[j] + block * scale_stride_k);
+    if constexpr (Lookup) {
+      table[j] = (code_value - z) * s;
+    } else {
+      table[j] = s;
+      zero_of[j] = z;
+    }
   }
 }
 
 // The 8 steps of each whole block of 128 k, the tables rebuilt every S steps (S * 16 k: the
 // scale block, or 128 k for blocks of 128 and more).
-template <int S, int R, int TN, typename TA, typename Fmt>
+template <bool Lookup, int S, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], const TA* const (&a_row)[R],
                                                          const uint32_t* const (&w_col)[TN], int64_t k_blocks_end,
                                                          const sycl::sub_group& sg, int lane, float code_value,
@@ -183,14 +214,15 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
     uint32_t word[TN];
     #pragma unroll
     for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + lane];
-    float table[TN];
+    float table[TN], zero_of[TN];
     // (The table step written as a loop of its own rather than `if (r % S == 0)` in the step loop,
     // which the CPU compiler treated as divergent.)
     for (int r0 = 0; r0 < 8; r0 += S) {
-      packed_tables<TN, Fmt>(table, kb + int64_t(kLanes) * r0, code_value, block_shift, scale, scale_at,
+      packed_tables<Lookup, TN, Fmt>(table, zero_of, kb + int64_t(kLanes) * r0, code_value, block_shift, scale, scale_at,
                              scale_stride_k, zero, zero_at, zero_stride_k);
       #pragma unroll 2
-      for (int r = r0; r < r0 + S; ++r) packed_step<R, TN, TA>(acc, a_row, word, r, kb + int64_t(kLanes) * r + lane, sg, table);
+      for (int r = r0; r < r0 + S; ++r)
+        packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, r, kb + int64_t(kLanes) * r + lane, sg, table, zero_of);
     }
   }
 }
@@ -199,8 +231,8 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
 // (Written like k_lanes_tile: the arguments read into scalars first, loops without lambdas. Read
 // through the struct or captured by lambdas, the CPU compiler kept the accumulators and scales in
 // per-lane memory and gathered every access: 30x slower.)
-template <int R, int TN, bool Gated, typename TA, typename Fmt, typename TOut>
-__attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g, int64_t m0,
+template <int R, int TN, bool Gated, bool Lookup, typename TA, typename Fmt, typename TOut>
+__attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g_in, int64_t m0,
                        int64_t valid_rows, int64_t n_tile) {
   constexpr bool w8a8 = std::is_same_v<TA, int8_t>;
   constexpr int out_cols = Gated ? TN / 2 : TN;
@@ -215,8 +247,11 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
   const float* a_scale = p.a_scale; const float* bias = p.bias; const int64_t bias_stride_e = p.bias_stride_e;
   const int64_t K = p.K, N = p.N, up_offset = p.up_offset, num_groups = p.num_groups;
   // (Broadcast from lane 0: the CPU compiler then treats the columns' scale addresses as uniform,
-  // scalar loads, instead of gathering them per lane.)
+  // scalar loads, instead of gathering them per lane, and the tile's branches on g as uniform
+  // control flow, its loads unmasked; AVX2 has no masked 16-bit loads and built each one lane by
+  // lane.)
   const int64_t n0 = sycl::group_broadcast(w.sg, n_tile * out_cols, 0);
+  const int64_t g = sycl::group_broadcast(w.sg, g_in, 0);
   int64_t b_n[TN];  // the B column behind accumulator column j (gated: gate, then up columns)
   #pragma unroll
   for (int j = 0; j < TN; ++j) {
@@ -309,10 +344,10 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       const int64_t k_blocks_end = K - K % kPackedK;
       const float code_value = Fmt::value(uint32_t(w.lane), 0.0f);
       if (scale_block_k >= kPackedK)
-        packed_blocks<8, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+        packed_blocks<Lookup, 8, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
                                          scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       else
-        packed_blocks<2, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+        packed_blocks<Lookup, 2, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
                                          scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       if (k_blocks_end < K) {
         uint32_t word[TN];
@@ -321,10 +356,10 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
         const int steps = int((K - k_blocks_end) / kLanes);
         for (int r = 0; r < steps; ++r) {
           const int64_t k0 = k_blocks_end + int64_t(kLanes) * r;
-          float table[TN];
-          packed_tables<TN, Fmt>(table, k0, code_value, block_shift, scale, scale_at, scale_stride_k, zero, zero_at,
+          float table[TN], zero_of[TN];
+          packed_tables<Lookup, TN, Fmt>(table, zero_of, k0, code_value, block_shift, scale, scale_at, scale_stride_k, zero, zero_at,
                                  zero_stride_k);
-          packed_step<R, TN, TA>(acc, a_row, word, r, k0 + w.lane, w.sg, table);
+          packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, r, k0 + w.lane, w.sg, table, zero_of);
         }
       }
     }
@@ -357,7 +392,7 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
 // short last row tile runs the full tile (rows past the group repeat its last row, not stored):
 // with 1- and 4-row tiles beside the 6-row one in the same kernel, as k_lanes does, the CPU
 // compiler masked the whole 4-bit loop and gathered its bytes lane by lane (10-15x slower).
-template <typename TA, typename Fmt, typename TOut, int TM, int TN, bool Gated>
+template <typename TA, typename Fmt, typename TOut, int TM, int TN, bool Gated, bool Lookup>
 MOE_XPU_KERNEL
 void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                     int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
@@ -387,7 +422,7 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
-          quant_tile<TM, TN, Gated, TA, Fmt>(p, w, g, m0, valid, n_tile);
+          quant_tile<TM, TN, Gated, Lookup, TA, Fmt>(p, w, g, m0, valid, n_tile);
         }
       });
 }
@@ -395,12 +430,12 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_QUANT(float, moe_xpu::Int4Weights, float, 1, 8, false).
+// MOE_XPU_INSTANTIATE_QUANT(float, moe_xpu::Int4Weights, float, 1, 8, false, true).
 #define MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut)                                                          \
   const TA*, int64_t, int64_t, const void*, int, const void*, int64_t, int64_t, int64_t, const void*, \
       int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t,          \
       const float*, const float*, int64_t,                                                           \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t, const void*,  \
       int, const float*
-#define MOE_XPU_INSTANTIATE_QUANT(TA, FMT, TOut, TM, TN, GATED) \
-  template void moe_xpu::moe_gemm_quant<TA, FMT, TOut, TM, TN, GATED>(MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut));
+#define MOE_XPU_INSTANTIATE_QUANT(TA, FMT, TOut, TM, TN, GATED, LOOKUP) \
+  template void moe_xpu::moe_gemm_quant<TA, FMT, TOut, TM, TN, GATED, LOOKUP>(MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut));
