@@ -28,7 +28,8 @@
 // products summed in float, in ascending k per lane: the naive float computation on the
 // dequantized weights, with the same rounding behaviour; int8 B (one scale per output channel)
 // sums A times the integer values and scales the sums once. 4-bit values are dequantized by a
-// table lookup across the sub-group (see packed_step). Bitwise reproducible, as elsewhere.
+// table lookup across the sub-group or arithmetically, per device class, with the same bits (see
+// packed_step). Bitwise reproducible, as elsewhere.
 #include "epilogue.hpp"
 #include "scheduler.hpp"
 
@@ -140,8 +141,8 @@ __attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN]
 }
 
 // Exact e2m1 decode with integer shifts: twice the magnitude of code m & 7 is nibble m of
-// 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), bit 3 the sign. No comparisons or selects, so no lane
-// masks on any vector width; bitwise equal to e2m1_to_float.
+// 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), bit 3 the sign. No comparisons or selects (fewer vector
+// instructions than e2m1_to_float); bitwise equal to it.
 inline float e2m1_to_float_shifts(uint32_t x) {
   const float v = float((0xC8643210u >> ((x & 7u) * 4u)) & 0xfu) * 0.5f;
   return sycl::bit_cast<float>(sycl::bit_cast<uint32_t>(v) ^ ((x & 8u) << 28));
@@ -232,7 +233,7 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
 // through the struct or captured by lambdas, the CPU compiler kept the accumulators and scales in
 // per-lane memory and gathered every access: 30x slower.)
 template <int R, int TN, bool Gated, bool Lookup, typename TA, typename Fmt, typename TOut>
-__attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g_in, int64_t m0,
+__attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g, int64_t m0,
                        int64_t valid_rows, int64_t n_tile) {
   constexpr bool w8a8 = std::is_same_v<TA, int8_t>;
   constexpr int out_cols = Gated ? TN / 2 : TN;
@@ -247,11 +248,8 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
   const float* a_scale = p.a_scale; const float* bias = p.bias; const int64_t bias_stride_e = p.bias_stride_e;
   const int64_t K = p.K, N = p.N, up_offset = p.up_offset, num_groups = p.num_groups;
   // (Broadcast from lane 0: the CPU compiler then treats the columns' scale addresses as uniform,
-  // scalar loads, instead of gathering them per lane, and the tile's branches on g as uniform
-  // control flow, its loads unmasked; AVX2 has no masked 16-bit loads and built each one lane by
-  // lane.)
+  // scalar loads, instead of gathering them per lane.)
   const int64_t n0 = sycl::group_broadcast(w.sg, n_tile * out_cols, 0);
-  const int64_t g = sycl::group_broadcast(w.sg, g_in, 0);
   int64_t b_n[TN];  // the B column behind accumulator column j (gated: gate, then up columns)
   #pragma unroll
   for (int j = 0; j < TN; ++j) {
