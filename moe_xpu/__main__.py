@@ -61,6 +61,10 @@ def info(warm_up: bool = False) -> None:
               f"K-split tiles {shapes(t['k_lanes_tiles'])}, N-split tiles {shapes(t['n_lanes_tiles'])} "
               f"(rows x columns per lane group; decode shape first); 4-bit weights decoded "
               f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
+        limit = t["inline_flops"]
+        print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP run on the calling thread, larger ones on the "
+                                     "runtime's thread pool (MOE_XPU_INLINE_FLOPS)" if limit > 0 else
+                                     "all on the runtime's thread pool (MOE_XPU_INLINE_FLOPS=0)"))
     if C is not None:
         files = C.kernel_files()
         digest = hashlib.sha256("".join(text for _, text in files).encode()).hexdigest()[:12]

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 
 from moe_xpu import _dispatch, _runtime, torch_fallback
-from moe_xpu.ops import INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, gemm_args, launch, rows_contiguous
+from moe_xpu.ops import (INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, checked_launch, gemm_args, launch,
+                         rows_contiguous)
 
 #: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
 #: skipped and contributes nothing. Any other id outside [0, num_experts) is an error.
@@ -87,11 +88,8 @@ def _sort_tokens_on_host(C, topk_ids: torch.Tensor, num_experts: int):
     gather_index = torch.empty(pairs, dtype=torch.int64)
     group_offsets = torch.empty(num_experts, dtype=torch.int32)
     scatter_index = torch.empty(pairs, dtype=torch.int64)
-    try:
-        C.sort_tokens_on_host(ids.data_ptr(), ids.dtype == torch.int64, pairs, max(ids.shape[1], 1), num_experts,
-                              gather_index.data_ptr(), group_offsets.data_ptr(), scatter_index.data_ptr())
-    except C.ArgumentError as error:
-        raise MoeXpuInputError(str(error)) from None
+    checked_launch(C.sort_tokens_on_host, ids.data_ptr(), ids.dtype == torch.int64, pairs, max(ids.shape[1], 1),
+                   num_experts, gather_index.data_ptr(), group_offsets.data_ptr(), scatter_index.data_ptr())
     return gather_index, group_offsets, scatter_index
 
 

@@ -175,17 +175,25 @@ def set_optional_inputs(args, gather_index: torch.Tensor | None, bias: torch.Ten
     return args
 
 
-def launch(args, a: torch.Tensor) -> None:
+def launch(args, a: torch.Tensor) -> bool:
     """Launches the grouped GEMM described by ``args`` (from ``gemm_args``; ``a`` is its A).
     When the planned kernel is faster with float32 A (16-bit inputs on tiles of several rows,
     where A is re-read for every column tile but each B value serves a whole row tile), A is
-    widened once here, one pass over A, and the k loop converts only B."""
+    widened once here, one pass over A, and the k loop converts only B. Returns whether it was."""
     C = _runtime.sycl_module()
-    if a.dtype != torch.float32 and C.plan_gemm(args).widen_a:
+    widen = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
+    if widen:
         a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
         args.a_dtype, args.a, args.a_row_stride = _launcher_dtype(a.dtype), a.data_ptr(), a.stride(0)
+    checked_launch(C.moe_gemm, args)
+    return widen
+
+
+def checked_launch(launcher, *args) -> None:
+    """Calls a launcher function, turning its value checks' errors into MoeXpuInputError."""
+    C = _runtime.sycl_module()
     try:
-        C.moe_gemm(args)
+        launcher(*args)
     except C.ArgumentError as error:  # a value check of the launcher (CPU device)
         raise MoeXpuInputError(str(error)) from None
 
@@ -211,11 +219,70 @@ def kernel_ready(a, b, group_offsets, gather_index, bias):
     return a, b, group_offsets, gather_index, bias
 
 
-def _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype):
-    a, b, group_offsets, gather_index, bias = kernel_ready(a, b, group_offsets, gather_index, bias)
+class PreparedCall:
+    """What the metadata of a call (shapes, strides, dtypes, devices, out_dtype) settles: the
+    output's shape and dtype, whether every input is read in place, and, once the SYCL path has
+    run, the launcher's argument template and whether A is widened. Kept per metadata (see
+    ``prepared``) so that a repeated call (a decode step's shapes, token after token) is neither
+    re-checked nor re-planned: it only reads its tensors' addresses."""
+
+    __slots__ = ("out_dtype", "rows", "n", "in_place", "template", "widen_a")
+
+    def __init__(self, out_dtype, rows, n, in_place):
+        self.out_dtype, self.rows, self.n, self.in_place = out_dtype, rows, n, in_place
+        self.template, self.widen_a = None, False
+
+
+_PREPARED: dict = {}
+_PREPARED_LIMIT = 512  # distinct metadata kept; past it the table starts over
+
+
+def _metadata_key(a, b, group_offsets, gather_index, bias, out_dtype) -> tuple:
+    """Everything check_moe_gemm_metadata, kernel_ready and the launch plan read of the inputs."""
+    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            group_offsets.shape, group_offsets.stride(), group_offsets.dtype, group_offsets.device, out_dtype,
+            None if gather_index is None else
+            (gather_index.shape, gather_index.stride(), gather_index.dtype, gather_index.device),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
+
+
+def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall:
+    """The checked metadata of a call: raises MoeXpuInputError for bad metadata (nothing is kept
+    then), else returns the kept PreparedCall for it."""
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)  # raises, naming it
+    key = _metadata_key(a, b, group_offsets, gather_index, bias, out_dtype)
+    found = _PREPARED.get(key)
+    if found is not None:
+        return found
+    resolved = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+    ready = kernel_ready(a, b, group_offsets, gather_index, bias)
+    in_place = all(x is y for x, y in zip(ready, (a, b, group_offsets, gather_index, bias)))
     rows = a.shape[0] if gather_index is None else gather_index.shape[0]
-    out = torch.empty(rows, b.shape[2], dtype=out_dtype, device=a.device)
-    launch(gemm_args(a, b, group_offsets, gather_index, bias, out), a)
+    if len(_PREPARED) >= _PREPARED_LIMIT:
+        _PREPARED.clear()
+    return _PREPARED.setdefault(key, PreparedCall(resolved, rows, b.shape[2], in_place))
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
+    if not p.in_place:
+        a, b, group_offsets, gather_index, bias = kernel_ready(a, b, group_offsets, gather_index, bias)
+    out = torch.empty(p.rows, p.n, dtype=p.out_dtype, device=a.device)
+    if p.template is None:  # the first call with this metadata plans it, the same for every later one
+        args = gemm_args(a, b, group_offsets, gather_index, bias, out)
+        p.widen_a = launch(args, a)
+        args.a = args.b = args.group_offsets = args.gather_index = args.bias = args.out = 0  # each call gives its own
+        p.template = args
+        return out
+    if p.widen_a:
+        a = a.float()  # as in launch: the same strides as the first call's, which the template holds
+    checked_launch(_runtime.sycl_module().moe_gemm_from_template, p.template, _runtime.queue_address(a.device),
+                    a.data_ptr(), b.data_ptr(), group_offsets.data_ptr(), _address(gather_index), _address(bias),
+                    out.data_ptr())
     return out
 
 
@@ -231,20 +298,20 @@ def _moe_gemm_op(
     raise NotImplementedError(f"moe_xpu.moe_gemm has no implementation for device {a.device}")
 
 
-def _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, out_dtype):
-    """CPU tensors, arguments' metadata checked (out_dtype resolved)."""
+def _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, p: PreparedCall):
+    """CPU tensors, arguments' metadata checked."""
     if _runtime.cpu_backend() == "torch":
         _check_values_on_host(a, group_offsets, gather_index)
-        return torch_fallback.moe_gemm(a, b, group_offsets, gather_index, bias, out_dtype)
-    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)  # values checked by the launcher
+        return torch_fallback.moe_gemm(a, b, group_offsets, gather_index, bias, p.out_dtype)
+    return _run_sycl(a, b, group_offsets, gather_index, bias, p)  # values checked by the launcher
 
 
-def _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, out_dtype):
-    """XPU tensors, arguments' metadata checked (out_dtype resolved)."""
+def _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, p: PreparedCall):
+    """XPU tensors, arguments' metadata checked."""
     _check_values_on_device(a, group_offsets, gather_index)
     if _runtime.sycl_module() is None:
         raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
-    return _run_sycl(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _run_sycl(a, b, group_offsets, gather_index, bias, p)
 
 
 _ON_DEVICE = {"cpu": _moe_gemm_on_cpu, "xpu": _moe_gemm_on_xpu}
@@ -252,14 +319,14 @@ _ON_DEVICE = {"cpu": _moe_gemm_on_cpu, "xpu": _moe_gemm_on_xpu}
 
 @_moe_gemm_op.register_kernel("cpu")
 def _moe_gemm_cpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
-    out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
-    return _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, out_dtype)
+    p = prepared(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, p)
 
 
 @_moe_gemm_op.register_kernel("xpu")
 def _moe_gemm_xpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
-    out_dtype = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
-    return _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, out_dtype)
+    p = prepared(a, b, group_offsets, gather_index, bias, out_dtype)
+    return _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, p)
 
 
 @_moe_gemm_op.register_fake
@@ -307,7 +374,8 @@ def moe_gemm(
             _fail(f"b must be a torch.Tensor or a moe_xpu.QuantizedExperts, got {type(b).__name__}")
         return quant.moe_gemm_quantized(a, q, group_offsets, a_scale=a_scale, gather_index=gather_index, bias=bias,
                                         out_dtype=out_dtype)
-    resolved = check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
     if _dispatch.direct_call_ok(a, b, group_offsets, gather_index, bias):
-        return _ON_DEVICE[a.device.type](a, b, group_offsets, gather_index, bias, resolved)
+        p = prepared(a, b, group_offsets, gather_index, bias, out_dtype)
+        return _ON_DEVICE[a.device.type](a, b, group_offsets, gather_index, bias, p)
+    check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
     return _moe_gemm_op(a, b, group_offsets, gather_index, bias, out_dtype)

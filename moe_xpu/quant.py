@@ -495,11 +495,7 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
         args.row_weight = row_weight.data_ptr()
     if configure is not None:
         configure(args)
-    C = _runtime.sycl_module()
-    try:
-        C.moe_gemm(args)
-    except C.ArgumentError as error:
-        raise ops.MoeXpuInputError(str(error)) from None
+    ops.checked_launch(_runtime.sycl_module().moe_gemm, args)
     return out
 
 

@@ -29,7 +29,8 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
                   py::arg("sub_group_sizes") = d.sub_group_sizes, py::arg("local_mem_size") = d.local_mem_size,
                   py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes,
                   py::arg("k_lanes_tiles") = tiles(Family::k_lanes), py::arg("n_lanes_tiles") = tiles(Family::n_lanes),
-                  py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d));
+                  py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d),
+                  py::arg("inline_flops") = moe_xpu::inline_flops_limit(d));
 }
 
 }  // namespace
@@ -109,6 +110,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("tile_n", &GemmArgs::tile_n)
       .def_readwrite("num_workers", &GemmArgs::num_workers)
       .def_readwrite("engine", &GemmArgs::engine)
+      .def_readwrite("calling_thread", &GemmArgs::calling_thread)
       .def_readwrite("variants_for", &GemmArgs::variants_for);
 
   py::class_<moe_xpu::WgradArgs>(m, "WgradArgs")
@@ -144,7 +146,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("work_group_size", &moe_xpu::LaunchPlan::work_group_size)
       .def_readonly("sub_group_size", &moe_xpu::LaunchPlan::sub_group_size)
       .def_readonly("widen_a", &moe_xpu::LaunchPlan::widen_a)
-      .def_readonly("matrix_engine", &moe_xpu::LaunchPlan::matrix_engine);
+      .def_readonly("matrix_engine", &moe_xpu::LaunchPlan::matrix_engine)
+      .def_readonly("calling_thread", &moe_xpu::LaunchPlan::calling_thread);
 
   py::class_<moe_xpu::DeviceInfo>(m, "DeviceInfo")
       .def_readonly("name", &moe_xpu::DeviceInfo::name)
@@ -167,6 +170,25 @@ PYBIND11_MODULE(_C, m) {
 
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
+  // A launch from an argument template that moe_xpu/ops.py keeps per call metadata: the template is
+  // copied (never written, so callers on other threads may share it) and given this call's queue
+  // and addresses, which spares a repeated call building the 19-field struct in Python.
+  m.def(
+      "moe_gemm_from_template",
+      [](const GemmArgs& templ, std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
+         std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out) {
+        GemmArgs args = templ;
+        args.queue = queue;
+        args.a = a;
+        args.b = b;
+        args.group_offsets = group_offsets;
+        args.gather_index = gather_index;
+        args.bias = bias;
+        args.out = out;
+        moe_xpu::moe_gemm(args);
+      },
+      py::arg("template"), py::arg("queue"), py::arg("a"), py::arg("b"), py::arg("group_offsets"),
+      py::arg("gather_index"), py::arg("bias"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
         py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),

@@ -54,6 +54,34 @@ sycl::queue& queue_for(std::uintptr_t address) {
   return *q;
 }
 
+// The CPU device's queue whose commands the thread that waits for them executes
+// (cl_intel_exec_by_local_thread), for launches too small for the thread pool
+// (LaunchPlan::calling_thread). Same context and device as the CPU queue, so the same built kernels.
+// nullptr where the OpenCL CPU runtime does not offer it: those launches then take the CPU queue.
+sycl::queue* calling_thread_queue_or_null() {
+  static sycl::queue* q = []() -> sycl::queue* {
+    sycl::queue* base = cpu_queue_or_null();
+    if (base == nullptr || base->get_backend() != sycl::backend::opencl) return nullptr;
+    using Create = cl_command_queue (*)(cl_context, cl_device_id, const cl_queue_properties*, cl_int*);
+    void* opencl = dlopen("libOpenCL.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (opencl == nullptr) return nullptr;
+    auto create = reinterpret_cast<Create>(dlsym(opencl, "clCreateCommandQueueWithProperties"));
+    if (create == nullptr) return nullptr;
+    cl_context ctx = sycl::get_native<sycl::backend::opencl>(base->get_context());
+    cl_device_id dev = sycl::get_native<sycl::backend::opencl>(base->get_device());
+    const cl_queue_properties props[] = {CL_QUEUE_PROPERTIES, cl_queue_properties(CL_QUEUE_THREAD_LOCAL_EXEC_ENABLE_INTEL), 0};
+    cl_int err = 0;
+    cl_command_queue native = create(ctx, dev, props, &err);
+    if (err != CL_SUCCESS || native == nullptr) return nullptr;
+    try {
+      return new sycl::queue(sycl::make_queue<sycl::backend::opencl>(native, base->get_context()));
+    } catch (const sycl::exception&) {
+      return nullptr;
+    }
+  }();
+  return q;
+}
+
 // The CPU has AMX with bf16 (CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE) and the OS
 // saves its tile state (XCR0 bits 17 and 18).
 bool cpu_has_amx_bf16() {
@@ -405,9 +433,17 @@ const BuiltKernel& planned_kernel(sycl::queue& q, const DeviceDescription& d, DT
 void moe_gemm(const GemmArgs& args) {
   if (args.queue == 0) check_host_values(args);  // CPU device: the values are in host memory
   if (args.out_rows == 0 || args.N == 0) return;
-  sycl::queue& q = queue_for(args.queue);
-  const DeviceDescription& d = description_for(q, args.variants_for);
+  sycl::queue& device_queue = queue_for(args.queue);
+  const DeviceDescription& d = description_for(device_queue, args.variants_for);
   const LaunchPlan plan = plan_for(args, d);
+  sycl::queue* inline_queue = plan.calling_thread && args.queue == 0 ? calling_thread_queue_or_null() : nullptr;
+  sycl::queue& q = inline_queue != nullptr ? *inline_queue : device_queue;
+  // The CPU device's launches complete before the call returns (their inputs are host memory the
+  // caller may free); on the calling thread's queue it is the wait that runs the work-groups.
+  auto finish = [&](sycl::event& done) {
+    if (inline_queue != nullptr) q.wait_and_throw();
+    else if (args.queue == 0) done.wait_and_throw();
+  };
   const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   if (plan.matrix_engine && q.get_device().is_cpu() &&
       !(cpu_amx_usable() && (args.dtype != DType::float16 || cpu_has_amx_fp16())))
@@ -436,7 +472,7 @@ void moe_gemm(const GemmArgs& args) {
                  ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));
       h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
     });
-    if (args.queue == 0) done.wait_and_throw();
+    finish(done);
     return;
   }
   const bool k_lanes = args.b_stride_k == 1;
@@ -453,7 +489,7 @@ void moe_gemm(const GemmArgs& args) {
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
   if (scratch_lock.owns_lock()) scratch_lock.unlock();
-  if (args.queue == 0) done.wait_and_throw();
+  finish(done);
 }
 
 void moe_gemm_wgrad(const WgradArgs& args) {

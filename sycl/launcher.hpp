@@ -69,6 +69,9 @@ struct GemmArgs {
   // 0: chosen by the heuristic; 1: the vector kernels; 2: the matrix-engine kernels (an error where
   // they cannot run).
   int engine = 0;
+  // 0: the calling thread runs the launch when the plan says so (LaunchPlan::calling_thread);
+  // 1: never; 2: always (CPU device; tests compare the two).
+  int calling_thread = 0;
   // Empty: variants and tiles are chosen for the queue's device. A GPU target name (pvc, bmg, lnl,
   // ptl, dg2, mtl): chosen as for that GPU, and run on the queue's device (tests of GPU variants).
   std::string variants_for;
@@ -123,6 +126,10 @@ struct LaunchPlan {
   bool widen_a = false;
   // Runs on the matrix engine (joint_matrix: AMX on the CPU device).
   bool matrix_engine = false;
+  // CPU device: the work-groups run one after another on the calling thread (see
+  // inline_flops_limit in variants.cpp) instead of on the runtime's thread pool. Same work-groups,
+  // same bits.
+  bool calling_thread = false;
 };
 
 // What the build of one kernel variant reported (the launcher refuses a device on which any of

@@ -128,6 +128,25 @@ Family family_of(bool k_lanes, bool gated) {
 
 std::string cpu_vector_class(const DeviceDescription& d) { return d.is_cpu ? cpu_tile_table(d).name : "gpu"; }
 
+// A small launch costs the CPU runtime more to hand to its thread pool (waking the workers,
+// waiting for them; longer still while torch's OpenMP threads spin after a torch op) than its
+// work-groups take on one thread: those launches go to a queue whose commands the calling thread
+// executes itself (cl_intel_exec_by_local_thread). The limit is where one thread stops beating the
+// pool: about 1 MFLOP of the vector kernels on one core beside the pool's wake-up, scaled by
+// n / (n - 1) for n cores, since the pool saves less of a thread's time the fewer cores it has
+// (2-core AMD EPYC, AVX2, after a torch.mm: T8 E8 K128 N64 66 -> 31 us, T64 E8 K128 N128 154 -> 95 us;
+// idle, 2.1 MFLOP: 79 vs 82 us; 8.4 MFLOP: 360 vs 568 us). MOE_XPU_INLINE_FLOPS overrides it (0: never).
+double inline_flops_limit(const DeviceDescription& d) {
+  static const double forced = []() {
+    const char* v = std::getenv("MOE_XPU_INLINE_FLOPS");
+    return v != nullptr && *v != '\0' ? std::max(0.0, std::atof(v)) : -1.0;
+  }();
+  if (!d.is_cpu) return 0.0;
+  if (forced >= 0.0) return forced;
+  const double n = double(std::max<std::int64_t>(d.compute_units, 1));
+  return n > 1.0 ? 1.0e6 * n / (n - 1.0) : 1.0e12;
+}
+
 // 4-bit weights are decoded by a table lookup across the sub-group where a 16-lane permute is one
 // instruction (GPUs, AVX-512 CPUs), arithmetically elsewhere (see packed_step in moe_gemm_quant.cpp).
 // MOE_XPU_NIBBLE_DECODE=lookup|arithmetic overrides it (tests run both on any host: same bits).
@@ -433,6 +452,15 @@ std::int64_t forward_workers(const GemmArgs& args, const LaunchPlan& plan, const
   return worker_count(d, workers_per_cu, flops, args.num_workers, max_units, subgroups_per_wg);
 }
 
+// Whether a forward launch runs on the calling thread (CPU device; see inline_flops_limit), or as
+// the launch asks (GemmArgs::calling_thread).
+bool runs_on_calling_thread(const GemmArgs& args, const DeviceDescription& d) {
+  if (!d.is_cpu || args.calling_thread == 1) return false;
+  if (args.calling_thread == 2) return true;
+  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N) * (args.activation != 0 ? 2.0 : 1.0);
+  return flops <= inline_flops_limit(d);
+}
+
 // The plan of a launch with quantized B: the quantized family (gated with an activation), the
 // k_lanes tile choice and worker count.
 LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
@@ -457,6 +485,7 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
   plan.work_group_size = subgroups_per_wg * kSubGroupSize;
   plan.num_workers = forward_workers(args, plan, d, d.is_cpu ? 16 : 32, subgroups_per_wg);
+  plan.calling_thread = runs_on_calling_thread(args, d);
   return plan;
 }
 
@@ -528,6 +557,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const std::int64_t workers_per_cu = cpu ? 16 : use_matrix ? 8 : 32;
   plan.work_group_size = subgroups_per_wg * lanes;
   plan.num_workers = forward_workers(args, plan, d, workers_per_cu, subgroups_per_wg);
+  plan.calling_thread = runs_on_calling_thread(args, d);
   return plan;
 }
 

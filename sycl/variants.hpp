@@ -41,6 +41,8 @@ std::string cpu_vector_class(const DeviceDescription& d);
 
 // 4-bit weights decoded by a table lookup across the sub-group (else arithmetically).
 bool nibble_lookup(const DeviceDescription& d);
+// FLOPs up to which a CPU launch runs on the calling thread (0 on GPUs; see variants.cpp).
+double inline_flops_limit(const DeviceDescription& d);
 Family family_of(bool k_lanes, bool gated);
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
 // The engine tiles the K-contiguous matrix kernel is written for (AMX, XMX on 16 and on 8 lanes).

@@ -6,7 +6,9 @@ size, above all) can be right on one target and wrong on another. So besides the
 the host's default target (``make test`` runs that first), every kernel family is run again
 under each older target the CPU can execute, one process per target, each with its own kernel
 cache, and with an odd persistent-worker count (MOE_XPU_NUM_WORKERS) so the scheduler's uneven
-shares are covered too.
+shares are covered too, every launch on the runtime's thread pool (MOE_XPU_INLINE_FLOPS=0: the
+default suite runs its small launches on the calling thread, one work-group after another, which
+would hide work-groups racing each other).
 
     python tests/device_matrix.py [--targets corei7,core-avx2] [-- extra pytest arguments]
 
@@ -69,6 +71,7 @@ def run_target(target: str, pytest_args: list[str]) -> tuple[dict[str, int], int
     env = dict(os.environ)
     env["CL_CONFIG_CPU_TARGET_ARCH"] = target
     env["MOE_XPU_NUM_WORKERS"] = MATRIX_WORKERS
+    env["MOE_XPU_INLINE_FLOPS"] = "0"
     # (moe_xpu gives each target its own kernel cache directory: moe_xpu/_runtime.py.)
     env["SYCL_CACHE_PERSISTENT"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES, *pytest_args]

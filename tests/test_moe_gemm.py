@@ -490,3 +490,77 @@ def test_kn_units_span_column_blocks(dtype, C):
         assert_matches_reference(out, a, b, offs, bias=bias)
         first = out if first is None else first
         assert torch.equal(out, first), "worker count must not change the result"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_calling_thread_and_thread_pool_give_the_same_bits(dtype, layout, C):
+    """Small CPU launches run their work-groups one after another on the calling thread instead of
+    on the runtime's thread pool: the same work-groups, so the same bits, with gather and bias, and
+    for the gated epilogue of fused_moe's first GEMM."""
+    T, E, K, N = 37, 5, 70, 90
+    a = torch.randn(T, K, dtype=dtype)
+    b = make_b(E, K, N, dtype, layout)
+    bias = torch.randn(E, N, dtype=dtype)
+    offs = offsets([9, 0, 20, 1, 11])
+    gi = torch.randint(0, T, (41,))
+    a_, b_, offs_, gi_, bias_ = ops.kernel_ready(a, b, offs, gi, bias)
+
+    def plain(calling_thread):
+        out = torch.full((41, N), float("nan"), dtype=dtype)
+        args = ops.gemm_args(a_, b_, offs_, gi_, bias_, out)
+        args.calling_thread, args.num_workers = calling_thread, 3
+        ops.launch(args, a_)
+        return out
+
+    pool, inline = plain(1), plain(2)  # GemmArgs.calling_thread: 1 never, 2 always
+    assert torch.equal(pool, inline)
+    assert_matches_reference(inline, a, b, offs, gather_index=gi, bias=bias)
+    if layout != "linear":
+        return
+    from moe_xpu.fused import ACTIVATIONS
+
+    def gated(calling_thread):
+        out = torch.full((41, N // 2), float("nan"))
+        args = ops.gemm_args(a_, b_, offs_, gi_, None, out)
+        args.activation, args.up_offset, args.N = ACTIVATIONS["silu"], N // 2, N // 2
+        args.calling_thread, args.num_workers = calling_thread, 3
+        ops.launch(args, a_)
+        return out
+
+    pool, inline = gated(1), gated(2)
+    assert torch.equal(pool, inline) and not inline.isnan().any()
+
+
+def test_quantized_launch_on_the_calling_thread_gives_the_same_bits(C):
+    from moe_xpu import quant
+
+    T, E, K, N = 29, 4, 96, 40
+    a = torch.randn(T, K)
+    q = moe_xpu.quantize_experts(torch.randn(E, K, N), "int4", group_size=32)
+    offs = offsets([7, 0, 15, 5])
+
+    def run(calling_thread):
+        def configure(args):
+            args.calling_thread, args.num_workers = calling_thread, 3
+        return quant.run_quant(a, q, offs, None, None, None, torch.float32, configure=configure)
+
+    pool, inline = run(1), run(2)
+    assert torch.equal(pool, inline)
+    torch.testing.assert_close(inline.double(), moe_gemm_reference(a, q.dequantize(torch.float32), offs),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_only_small_cpu_launches_run_on_the_calling_thread(C):
+    """The plan says where a launch runs: on the calling thread up to the device's limit
+    (``python -m moe_xpu info`` prints it; MOE_XPU_INLINE_FLOPS sets it), on the thread pool above."""
+    limit = C.device_description(0)["inline_flops"]
+    for T, K, N in [(8, 128, 64), (64, 128, 128), (256, 512, 256), (2048, 1024, 1024)]:
+        a, b = torch.randn(T, K), torch.randn(8, K, N)
+        offs = offsets([T // 8] * 8)
+        args = ops.gemm_args(a, b, offs, None, None, torch.empty(T, N))
+        assert C.plan_gemm(args).calling_thread == (2.0 * T * K * N <= limit)
+        args.calling_thread = 1
+        assert not C.plan_gemm(args).calling_thread
+        args.calling_thread = 2
+        assert C.plan_gemm(args).calling_thread
