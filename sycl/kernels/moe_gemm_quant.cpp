@@ -43,11 +43,12 @@ inline float fp8_e4m3_to_float(uint32_t x) {
   return (x & 0x80u) != 0u ? -v : v;
 }
 
-inline float e2m1_to_float(uint32_t x) {  // 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
-  const uint32_t mag = x & 7u;
-  const float v = mag >= 2u ? sycl::bit_cast<float>((((mag >> 1) + 126u) << 23) | ((mag & 1u) << 22))
-                            : float(mag) * 0.5f;
-  return (x & 8u) != 0u ? -v : v;
+// e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Twice the magnitude of code x & 7 is
+// nibble x & 7 of 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), bit 3 the sign: integer shifts, no
+// comparisons or selects (the arithmetic 4-bit decode of packed_step runs it per weight).
+inline float e2m1_to_float(uint32_t x) {
+  const float v = float((0xC8643210u >> ((x & 7u) * 4u)) & 0xfu) * 0.5f;
+  return sycl::bit_cast<float>(sycl::bit_cast<uint32_t>(v) ^ ((x & 8u) << 28));
 }
 
 inline float e8m0_to_float(uint32_t s) {  // 2^(s - 127); 255 is NaN
@@ -140,21 +141,6 @@ __attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN]
   }
 }
 
-// Exact e2m1 decode with integer shifts: twice the magnitude of code m & 7 is nibble m of
-// 0xC8643210 (0, 1, 2, 3, 4, 6, 8, 12), bit 3 the sign. No comparisons or selects (fewer vector
-// instructions than e2m1_to_float); bitwise equal to it.
-inline float e2m1_to_float_shifts(uint32_t x) {
-  const float v = float((0xC8643210u >> ((x & 7u) * 4u)) & 0xfu) * 0.5f;
-  return sycl::bit_cast<float>(sycl::bit_cast<uint32_t>(v) ^ ((x & 8u) << 28));
-}
-
-// A 4-bit code dequantized arithmetically (the decode without the lookup table, see packed_step).
-template <typename Fmt>
-__attribute__((always_inline)) inline float nibble_value(uint32_t q, float zero) {
-  if constexpr (std::is_same_v<Fmt, Mxfp4Weights>) return e2m1_to_float_shifts(q);
-  else return Fmt::value(q, zero);
-}
-
 // One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized
 // either by a 16-entry table lookup across the sub-group (Lookup: lane l holds the dequantized
 // value of code l for each column, its scale and zero point applied, and select_from_group fetches
@@ -173,7 +159,7 @@ __attribute__((always_inline)) inline void packed_step(float (&acc)[R][TN], cons
   for (int j = 0; j < TN; ++j) {
     const uint32_t q = (word[j] >> (4 * r)) & 0xfu;
     if constexpr (Lookup) bv[j] = sycl::select_from_group(sg, table[j], q);
-    else bv[j] = nibble_value<Fmt>(q, zero[j]) * table[j];
+    else bv[j] = Fmt::value(q, zero[j]) * table[j];
   }
   quant_step<R, TN, TA>(acc, a_row, k, bv);
 }
