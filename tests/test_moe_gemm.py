@@ -564,3 +564,24 @@ def test_only_small_cpu_launches_run_on_the_calling_thread(C):
         assert not C.plan_gemm(args).calling_thread
         args.calling_thread = 2
         assert C.plan_gemm(args).calling_thread
+
+
+def test_concurrent_calls_from_python_threads():
+    """Threads calling at once (the GIL is released while kernels run): small launches share the
+    calling-thread queue, whose commands whichever thread waits first may execute; every call still
+    gets its own result, the same bits as a call alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    problems = []
+    for i in range(8):
+        T, E, K, N = 5 + 7 * i, 3 + i % 4, 33 + 11 * i, 20 + 9 * i
+        a, b = torch.randn(T, K), make_b(E, K, N, torch.float32, LAYOUTS[i % 2])
+        offs = offsets(route("random", E, T))
+        problems.append((a, b, offs, moe_xpu.moe_gemm(a, b, offs)))
+
+    def run(i):
+        a, b, offs, expected = problems[i % len(problems)]
+        return all(torch.equal(moe_xpu.moe_gemm(a, b, offs), expected) for _ in range(20))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(pool.map(run, range(32)))
