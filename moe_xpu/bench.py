@@ -560,9 +560,13 @@ class SmallRow:
     host_us: float | None = None  # moe_gemm: host time beyond the kernel
 
 
-def _markdown_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
-    print(f"\n**Small shapes**, float32, warm cache, median of {repeats}; runtime floor (an empty kernel "
-          f"launched and waited for) {floor_us:.1f} us\n")
+def _floors_text(floors: dict[bool, float]) -> str:
+    return (f"runtime floor (an empty kernel launched and waited for): thread pool {floors[False] * 1e6:.1f} us, "
+            f"calling thread {floors[True] * 1e6:.1f} us")
+
+
+def _markdown_small(rows: list[SmallRow], floors: dict[bool, float], repeats: int) -> None:
+    print(f"\n**Small shapes**, float32, warm cache, median of {repeats}; {_floors_text(floors)}\n")
     print("| case | implementation | median us | moe_xpu speed-up | host us beyond the kernel |")
     print("| --- | --- | ---: | ---: | ---: |")
     for r in rows:
@@ -571,9 +575,9 @@ def _markdown_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None
         print(f"| {r.case} | {r.impl} | {r.seconds * 1e6:.1f} | {speed} | {host} |")
 
 
-def _print_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
+def _print_small(rows: list[SmallRow], floors: dict[bool, float], repeats: int) -> None:
     print(f"small shapes, float32, warm cache, median of {repeats} (speed-up = peer time / moe_xpu time); "
-          f"runtime floor (an empty kernel launched and waited for): {floor_us:.1f} us")
+          f"{_floors_text(floors)}")
     header = f"{'case':<22} {'impl':<24} {'median us':>10} {'moe_xpu speed-up':>17} {'host us beyond kernel':>22}"
     print(header)
     print("-" * len(header))
@@ -586,13 +590,15 @@ def _print_small(rows: list[SmallRow], floor_us: float, repeats: int) -> None:
 def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown: bool = False) -> list[SmallRow]:
     """Per-call cost at small shapes. The host time beyond the kernel of a moe_gemm call is its
     time minus the kernel's: the launcher's own call on prepared arguments less the runtime's
-    floor (an empty kernel's launch and wait, itself host time)."""
+    floor (an empty kernel's launch and wait, itself host time) on the same executor (the thread
+    pool, or the calling thread for launches the plan runs there)."""
     from moe_xpu import ops
 
     C = _runtime.sycl_module()
     rows: list[SmallRow] = []
     gen = torch.Generator().manual_seed(0)
-    floor = median_times({"empty": C.launch_empty}, repeats)["empty"]
+    empty = median_times({"pool": C.launch_empty, "calling": lambda: C.launch_empty(0, True)}, repeats)
+    floors = {False: empty["pool"], True: empty["calling"]}
     for case in SMALL_GEMMS:
         a = torch.randn(case.tokens, case.K, generator=gen)
         b = torch.randn(case.experts, case.K, case.N, generator=gen)
@@ -603,7 +609,7 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
         t = median_times(_available({"moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
                                      "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),
                                      "launcher": lambda: C.moe_gemm(args)}), repeats, flush)
-        kernel = max(t["launcher"] - floor, 0.0)
+        kernel = max(t["launcher"] - floors[C.plan_gemm(args).calling_thread], 0.0)
         rows.append(SmallRow(case.name, "moe_xpu", t["moe_xpu"], 1.0, (t["moe_xpu"] - kernel) * 1e6))
         if "grouped_mm" in t:
             rows.append(SmallRow(case.name, "grouped_mm", t["grouped_mm"], t["grouped_mm"] / t["moe_xpu"]))
@@ -634,9 +640,9 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
         ours = t["moe_xpu fused_moe"]
         label = f"fused {case.name} H{case.H} I{case.I}"
         rows += [SmallRow(label, impl, v, v / ours) for impl, v in t.items()]
-    _print_small(rows, floor * 1e6, repeats)
+    _print_small(rows, floors, repeats)
     if markdown:
-        _markdown_small(rows, floor * 1e6, repeats)
+        _markdown_small(rows, floors, repeats)
     return rows
 
 

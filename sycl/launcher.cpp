@@ -521,8 +521,9 @@ void moe_gemm_wgrad(const WgradArgs& args) {
 
 // The runtime's own cost of one launch: an empty kernel of one sub-group, submitted the way
 // moe_gemm submits and, on the CPU device queue, waited for. Built once per device.
-void launch_empty(std::uintptr_t queue) {
-  sycl::queue& q = queue_for(queue);
+void launch_empty(std::uintptr_t queue, bool calling_thread) {
+  sycl::queue* inline_queue = calling_thread && queue == 0 ? calling_thread_queue_or_null() : nullptr;
+  sycl::queue& q = inline_queue != nullptr ? *inline_queue : queue_for(queue);
   static auto* kernels = new std::unordered_map<std::string, sycl::kernel>();
   const std::string key = queue_key(q);
   const sycl::kernel* kernel = nullptr;
@@ -544,7 +545,8 @@ void launch_empty(std::uintptr_t queue) {
     h.set_args(static_cast<int*>(nullptr));
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, *kernel);
   });
-  if (queue == 0) done.wait_and_throw();
+  if (inline_queue != nullptr) q.wait_and_throw();
+  else if (queue == 0) done.wait_and_throw();
 }
 
 DeviceInfo device_info(std::uintptr_t queue) {

@@ -162,8 +162,9 @@ DeviceInfo device_info(std::uintptr_t queue);
 // The description the launcher chooses variants and tiles from, for the device of a queue.
 struct DeviceDescription;
 const DeviceDescription& device_description(std::uintptr_t queue);
-// Launches an empty kernel the way moe_gemm launches (the runtime's floor, for the bench).
-void launch_empty(std::uintptr_t queue = 0);
+// Launches an empty kernel the way moe_gemm launches (the runtime's floor, for the bench): on the
+// queue, or (CPU device, calling_thread) on the queue the calling thread executes.
+void launch_empty(std::uintptr_t queue = 0, bool calling_thread = false);
 bool cpu_device_available();
 // Builds (or loads from the persistent cache) every kernel of one dtype pair (B dtype, output
 // dtype; with both A dtypes); returns seconds.
