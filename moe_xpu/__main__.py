@@ -65,6 +65,12 @@ def info(warm_up: bool = False) -> None:
         print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP run on the calling thread, larger ones on the "
                                      "runtime's thread pool (MOE_XPU_INLINE_FLOPS)" if limit > 0 else
                                      "all on the runtime's thread pool (MOE_XPU_INLINE_FLOPS=0)"))
+        parked = C.parked_openmp_library()
+        print("  thread pool    " + (f"torch's OpenMP threads ({os.path.basename(parked)}) sleep while it runs a launch "
+                                     "(MOE_XPU_PARK_OPENMP=0: not)" if parked else
+                                     "shares the cores with torch's OpenMP threads (MOE_XPU_PARK_OPENMP=0)"
+                                     if os.environ.get("MOE_XPU_PARK_OPENMP") == "0" else
+                                     "shares the cores (no OpenMP threads of torch's to park)"))
     if C is not None:
         files = C.kernel_files()
         digest = hashlib.sha256("".join(text for _, text in files).encode()).hexdigest()[:12]

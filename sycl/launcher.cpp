@@ -6,10 +6,13 @@
 
 #include <cpuid.h>
 #include <dlfcn.h>
+#include <link.h>
 
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -18,6 +21,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
+#include <vector>
 
 #include "device_model.hpp"
 #include "host_checks.hpp"
@@ -80,6 +84,96 @@ sycl::queue* calling_thread_queue_or_null() {
     }
   }();
   return q;
+}
+
+// torch's OpenMP runtime (libgomp in torch's wheels; Intel's libiomp5 exports the same entry
+// points), found among the libraries the process has loaded.
+struct OpenMpRuntime {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;  // GOMP_parallel
+  int (*thread_num)() = nullptr;
+  int (*max_threads)() = nullptr;
+  std::string library;
+};
+
+const OpenMpRuntime* torch_openmp_or_null() {
+  static const OpenMpRuntime* runtime = []() -> const OpenMpRuntime* {
+    std::vector<std::string> names;
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* out) {
+          const std::string name = info->dlpi_name != nullptr ? info->dlpi_name : "";
+          const std::string base = name.substr(name.find_last_of('/') + 1);
+          if (base.rfind("libgomp", 0) == 0 || base.rfind("libiomp", 0) == 0)
+            static_cast<std::vector<std::string>*>(out)->push_back(name);
+          return 0;
+        },
+        &names);
+    for (const std::string& name : names) {
+      void* lib = dlopen(name.c_str(), RTLD_LAZY | RTLD_NOLOAD);
+      if (lib == nullptr) continue;
+      auto* r = new OpenMpRuntime();
+      r->parallel = reinterpret_cast<decltype(r->parallel)>(dlsym(lib, "GOMP_parallel"));
+      r->thread_num = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_thread_num"));
+      r->max_threads = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_max_threads"));
+      r->library = name;
+      if (r->parallel && r->thread_num && r->max_threads) return r;
+      delete r;
+    }
+    return nullptr;
+  }();
+  return runtime;
+}
+
+
+// Whether thread-pool launches park torch's OpenMP threads (MOE_XPU_PARK_OPENMP=0: never).
+const OpenMpRuntime* parking_runtime_or_null() {
+  const char* v = std::getenv("MOE_XPU_PARK_OPENMP");
+  if (v != nullptr && std::string(v) == "0") return nullptr;
+  const OpenMpRuntime* omp = torch_openmp_or_null();
+  return omp != nullptr && omp->max_threads() > 1 ? omp : nullptr;
+}
+
+// Runs fn (a launch on the runtime's thread pool, waited for) while torch's OpenMP threads sleep.
+// After each parallel torch op they spin for a while waiting for the next one (libgomp's default:
+// 300,000 polls, milliseconds), and the pool's threads then share the cores with them: T 512,
+// K 128, N 128 on 2 cores took 300 us alone and 750 us right after a torch op. Inside a parallel
+// region of their own they block on a condition variable until fn is done, which frees their
+// cores; the calling thread is the region's thread 0 and runs fn.
+template <typename Fn>
+void with_torch_threads_parked(Fn&& fn) {
+  const OpenMpRuntime* omp = parking_runtime_or_null();
+  if (omp == nullptr) {
+    fn();
+    return;
+  }
+  struct Park {
+    Fn* fn;
+    const OpenMpRuntime* omp;
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr error;
+  } park{&fn, omp, {}, {}, false, nullptr};
+  omp->parallel(
+      [](void* data) {
+        Park& p = *static_cast<Park*>(data);
+        if (p.omp->thread_num() == 0) {
+          try {
+            (*p.fn)();
+          } catch (...) {
+            p.error = std::current_exception();
+          }
+          {
+            std::lock_guard<std::mutex> lock(p.mutex);
+            p.done = true;
+          }
+          p.cv.notify_all();
+        } else {
+          std::unique_lock<std::mutex> lock(p.mutex);
+          p.cv.wait(lock, [&] { return p.done; });
+        }
+      },
+      &park, 0, 0);
+  if (park.error) std::rethrow_exception(park.error);
 }
 
 // The CPU has AMX with bf16 (CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE) and the OS
@@ -442,7 +536,7 @@ void moe_gemm(const GemmArgs& args) {
   // caller may free); on the calling thread's queue it is the wait that runs the work-groups.
   auto finish = [&](sycl::event& done) {
     if (inline_queue != nullptr) q.wait_and_throw();
-    else if (args.queue == 0) done.wait_and_throw();
+    else if (args.queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
   };
   const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   if (plan.matrix_engine && q.get_device().is_cpu() &&
@@ -516,7 +610,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
                  ptr(x.out), x.out_stride_e, x.out_stride_k, x.out_stride_n, 0);
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
-  if (args.queue == 0) done.wait_and_throw();
+  if (args.queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
 }
 
 // The runtime's own cost of one launch: an empty kernel of one sub-group, submitted the way
@@ -546,7 +640,12 @@ void launch_empty(std::uintptr_t queue, bool calling_thread) {
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, *kernel);
   });
   if (inline_queue != nullptr) q.wait_and_throw();
-  else if (queue == 0) done.wait_and_throw();
+  else if (queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
+}
+
+std::string parked_openmp_library() {
+  const OpenMpRuntime* omp = parking_runtime_or_null();
+  return omp != nullptr ? omp->library : "";
 }
 
 DeviceInfo device_info(std::uintptr_t queue) {

@@ -165,6 +165,9 @@ const DeviceDescription& device_description(std::uintptr_t queue);
 // Launches an empty kernel the way moe_gemm launches (the runtime's floor, for the bench): on the
 // queue, or (CPU device, calling_thread) on the queue the calling thread executes.
 void launch_empty(std::uintptr_t queue = 0, bool calling_thread = false);
+// The OpenMP library (torch's) whose threads sleep while the CPU device's thread pool runs a
+// launch; "" when none is loaded, torch runs one thread, or MOE_XPU_PARK_OPENMP=0.
+std::string parked_openmp_library();
 bool cpu_device_available();
 // Builds (or loads from the persistent cache) every kernel of one dtype pair (B dtype, output
 // dtype; with both A dtypes); returns seconds.

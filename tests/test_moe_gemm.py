@@ -551,6 +551,40 @@ def test_quantized_launch_on_the_calling_thread_gives_the_same_bits(C):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_thread_pool_launches_park_torchs_openmp_threads(C, monkeypatch):
+    """Thread-pool launches run while torch's OpenMP threads sleep in a parallel region of their
+    own (right after a torch op, when they spin): same bits as without parking, forward and
+    weight gradient, and MOE_XPU_PARK_OPENMP=0 turns it off."""
+    T, E, K, N = 300, 6, 150, 70
+    a = torch.randn(T, K, requires_grad=True)
+    b = torch.randn(E, K, N, requires_grad=True)
+    offs = offsets([60, 0, 130, 3, 7, 100])
+
+    def run():
+        torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # wakes torch's OpenMP threads
+        out = torch.full((T, N), float("nan"))
+        args = ops.gemm_args(a.detach(), b.detach(), offs, None, None, out)
+        args.calling_thread, args.num_workers = 1, 5
+        ops.launch(args, a.detach())
+        b.grad = None
+        moe_xpu.moe_gemm(a, b, offs).pow(2).sum().backward()
+        return out, b.grad.clone()
+
+    monkeypatch.delenv("MOE_XPU_PARK_OPENMP", raising=False)
+    if torch.get_num_threads() > 1:
+        assert "omp" in C.parked_openmp_library()
+    parked = run()
+    monkeypatch.setenv("MOE_XPU_PARK_OPENMP", "0")
+    assert C.parked_openmp_library() == ""
+    unparked = run()
+    assert torch.equal(parked[0], unparked[0]) and torch.equal(parked[1], unparked[1])
+    assert_matches_reference(parked[0], a.detach(), b.detach(), offs)
+    y = moe_gemm_reference(a.detach(), b.detach(), offs).double()
+    db = torch.stack([a.detach()[lo:hi].double().T @ (2 * y[lo:hi])
+                      for lo, hi in zip([0] + offs.tolist()[:-1], offs.tolist())])
+    torch.testing.assert_close(parked[1].double(), db, rtol=1e-4, atol=1e-2)
+
+
 def test_only_small_cpu_launches_run_on_the_calling_thread(C):
     """The plan says where a launch runs: on the calling thread up to the device's limit
     (``python -m moe_xpu info`` prints it; MOE_XPU_INLINE_FLOPS sets it), on the thread pool above."""
