@@ -132,10 +132,12 @@ std::string cpu_vector_class(const DeviceDescription& d) { return d.is_cpu ? cpu
 // waiting for them; longer still while torch's OpenMP threads spin after a torch op) than its
 // work-groups take on one thread: those launches go to a queue whose commands the calling thread
 // executes itself (cl_intel_exec_by_local_thread). The limit is where one thread stops beating the
-// pool: about 1 MFLOP of the vector kernels on one core beside the pool's wake-up, scaled by
-// n / (n - 1) for n cores, since the pool saves less of a thread's time the fewer cores it has
-// (2-core AMD EPYC, AVX2, after a torch.mm: T8 E8 K128 N64 66 -> 31 us, T64 E8 K128 N128 154 -> 95 us;
-// idle, 2.1 MFLOP: 79 vs 82 us; 8.4 MFLOP: 360 vs 568 us). MOE_XPU_INLINE_FLOPS overrides it (0: never).
+// pool: F / r = F / (n r) + o gives F = o r n / (n - 1) for n cores, a thread's rate r (about 35
+// GFLOP/s, float32, AVX2) and the pool's cost o (about 100 us right after a torch op, torch's
+// OpenMP threads parked): 3.5 MFLOP of the vector kernels on one core, scaled by n / (n - 1).
+// 2-core AMD EPYC, AVX2, each launch right after a grouped_mm, median of 200: calling thread vs
+// pool 2.1 MFLOP 134 vs 153 us, 4.2 MFLOP 210 vs 232 and 214 vs 237 us, 6.3 MFLOP 270 vs 312 us,
+// 8.4 MFLOP 616 vs 472 us. MOE_XPU_INLINE_FLOPS overrides it (0: never).
 double inline_flops_limit(const DeviceDescription& d) {
   static const double forced = []() {
     const char* v = std::getenv("MOE_XPU_INLINE_FLOPS");
@@ -144,7 +146,7 @@ double inline_flops_limit(const DeviceDescription& d) {
   if (!d.is_cpu) return 0.0;
   if (forced >= 0.0) return forced;
   const double n = double(std::max<std::int64_t>(d.compute_units, 1));
-  return n > 1.0 ? 1.0e6 * n / (n - 1.0) : 1.0e12;
+  return n > 1.0 ? 3.5e6 * n / (n - 1.0) : 1.0e12;
 }
 
 // 4-bit weights are decoded by a table lookup across the sub-group where a 16-lane permute is one
