@@ -406,15 +406,17 @@ def test_k_split_kernel_k_chunks(K, dtype, C):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,offset", [(2088, 0), (4100, 0), (201, 0), (2051, 0), (300, 1)])
+@pytest.mark.parametrize("N,offset", [(2088, 0), (4100, 0), (201, 0), (2051, 0), (300, 1), (64, 0), (80, 0),
+                                      (2080, 0), (96, 1)])
 @pytest.mark.parametrize("K", [1, 3, 130])
 def test_kn_decode_row_stream(dtype, N, offset, K, C):
     """[E, K, N] weights at one or two rows per group: on the CPU the N-split kernel's decode tile
     streams whole B rows of 2048-column blocks with its sums in work-group local memory. Several
     blocks with a partial last one, N below one block, K below and past its 4-row passes with a
     remainder, bf16 read as column pairs (aligned rows, even N) or element-wise (odd N, or rows
-    off 4-byte alignment: offset 1); gather, bias, a float32 output, empty groups, the zeroed
-    tail, and worker counts that cut the unit list anywhere."""
+    off 4-byte alignment: offset 1), blocks of whole read units (N 64, 2080; 80 and 96 whole for
+    float, not for bf16 pairs); gather, bias, a float32 output, empty groups, the zeroed tail,
+    and worker counts that cut the unit list anywhere."""
     E = 7
     storage = torch.randn(E * K * (N + offset) + offset, dtype=dtype)
     b = storage[offset:offset + E * K * (N + offset)].view(E, K, N + offset)[:, :, :N]

@@ -379,19 +379,33 @@ inline void n_lanes_row_stream(const VectorArgs<TA, T, TOut>& p) {
             const TA* a_row = p.a + source_row(p.gather_index, p.gather_is64, m, p.a_rows) * p.a_row_stride;
             const T* b_block = p.b + g * p.b_stride_e + n0;
             // Lanes past the block in the last read unit read its first one instead (not stored).
+            // A block of whole read units (cols a multiple of their width) passes the same last
+            // offset on every lane, so its last unit's reads stay vector loads; the lane-dependent
+            // offset of a partial last unit turns them into per-lane loads on the CPU device
+            // (T8 E8 K128 N64: 4 sum vectors, the last one's loads took most of the kernel).
             if (pairs) {
               const uint32_t* words = reinterpret_cast<const uint32_t*>(b_block) + w.lane;
               const int64_t word_stride = b_stride_k / 2, units = sum_vectors / 2;
-              const int64_t last = (units - 1) * kLanes + w.lane < cols / 2 ? (units - 1) * kLanes : 0;
-              row_stream_k<2>(lane_sums, a_row, p.K, units, last, [&](int64_t k, int64_t offset, float (&bv)[2]) {
+              auto b_words = [&](int64_t k, int64_t offset, float (&bv)[2]) {
                 widen_bf16_word(words[k * word_stride + offset], bv[0], bv[1]);
-              });
+              };
+              if ((cols / 2) % kLanes == 0) {
+                row_stream_k<2>(lane_sums, a_row, p.K, units, (units - 1) * kLanes, b_words);
+              } else {
+                const int64_t last = (units - 1) * kLanes + w.lane < cols / 2 ? (units - 1) * kLanes : 0;
+                row_stream_k<2>(lane_sums, a_row, p.K, units, last, b_words);
+              }
             } else {
               const T* b_lane = b_block + w.lane;
-              const int64_t last = (sum_vectors - 1) * kLanes + w.lane < cols ? (sum_vectors - 1) * kLanes : 0;
-              row_stream_k<1>(lane_sums, a_row, p.K, sum_vectors, last, [&](int64_t k, int64_t offset, float (&bv)[1]) {
+              auto b_values = [&](int64_t k, int64_t offset, float (&bv)[1]) {
                 bv[0] = to_float(b_lane[k * b_stride_k + offset]);
-              });
+              };
+              if (cols % kLanes == 0) {
+                row_stream_k<1>(lane_sums, a_row, p.K, sum_vectors, (sum_vectors - 1) * kLanes, b_values);
+              } else {
+                const int64_t last = (sum_vectors - 1) * kLanes + w.lane < cols ? (sum_vectors - 1) * kLanes : 0;
+                row_stream_k<1>(lane_sums, a_row, p.K, sum_vectors, last, b_values);
+              }
             }
           }
           const RowTarget t = row_target(p.scatter_index, p.scatter_is64, p.row_weight, m, p.out_rows);
