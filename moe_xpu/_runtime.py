@@ -110,14 +110,18 @@ def requested_backend() -> str:
     return value
 
 
-_cpu_backend_memo: tuple[str | None, str] | None = None  # (MOE_XPU_BACKEND as read, the answer)
+_cpu_backend_memo: tuple[object, str] | None = None  # (MOE_XPU_BACKEND as read, the answer)
+# os.environ's own dict (what os.environ.get reads, with keys encoded): an unset variable makes
+# os.environ.get raise and catch a KeyError inside, a few microseconds on every call.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_BACKEND_KEY = os.environ.encodekey("MOE_XPU_BACKEND") if _ENVIRON_DATA is not None else None
 
 
 def cpu_backend() -> str:
     """Backend for CPU tensors: "sycl" (kernels on the SYCL CPU device) or "torch" (fallback).
     Asked on every call, so the answer is kept until MOE_XPU_BACKEND changes."""
     global _cpu_backend_memo
-    raw = os.environ.get("MOE_XPU_BACKEND")
+    raw = _ENVIRON_DATA.get(_BACKEND_KEY) if _ENVIRON_DATA is not None else os.environ.get("MOE_XPU_BACKEND")
     if _cpu_backend_memo is not None and _cpu_backend_memo[0] == raw:
         return _cpu_backend_memo[1]
     answer = _choose_cpu_backend()

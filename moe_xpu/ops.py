@@ -189,6 +189,9 @@ def launch(args, a: torch.Tensor) -> bool:
     return widen
 
 
+_LAUNCH_ERRORS = (_runtime.sycl_module().ArgumentError,) if _runtime.sycl_module() is not None else ()
+
+
 def checked_launch(launcher, *args) -> None:
     """Calls a launcher function, turning its value checks' errors into MoeXpuInputError."""
     C = _runtime.sycl_module()
@@ -221,29 +224,23 @@ def kernel_ready(a, b, group_offsets, gather_index, bias):
 
 class PreparedCall:
     """What the metadata of a call (shapes, strides, dtypes, devices, out_dtype) settles: the
-    output's shape and dtype, whether every input is read in place, and, once the SYCL path has
-    run, the launcher's argument template and whether A is widened. Kept per metadata (see
-    ``prepared``) so that a repeated call (a decode step's shapes, token after token) is neither
-    re-checked nor re-planned: it only reads its tensors' addresses."""
+    output's shape and dtype, whether every input is read in place, the implementation for its
+    device and, once the SYCL path has run, the launcher's prepared launch (planned, its kernel
+    looked up) and whether A is widened. Kept per metadata (see ``prepared``) so that a repeated
+    call (a decode step's shapes, token after token) is neither re-checked nor re-planned: it only
+    reads its tensors' addresses."""
 
-    __slots__ = ("out_dtype", "rows", "n", "in_place", "template", "widen_a")
+    __slots__ = ("out_dtype", "rows", "n", "in_place", "run", "on_cpu", "launcher", "widen_a")
 
-    def __init__(self, out_dtype, rows, n, in_place):
+    def __init__(self, out_dtype, rows, n, in_place, device_type):
         self.out_dtype, self.rows, self.n, self.in_place = out_dtype, rows, n, in_place
-        self.template, self.widen_a = None, False
+        self.on_cpu = device_type == "cpu"
+        self.run = _moe_gemm_on_cpu if self.on_cpu else _moe_gemm_on_xpu
+        self.launcher, self.widen_a = None, False
 
 
 _PREPARED: dict = {}
 _PREPARED_LIMIT = 512  # distinct metadata kept; past it the table starts over
-
-
-def _metadata_key(a, b, group_offsets, gather_index, bias, out_dtype) -> tuple:
-    """Everything check_moe_gemm_metadata, kernel_ready and the launch plan read of the inputs."""
-    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            group_offsets.shape, group_offsets.stride(), group_offsets.dtype, group_offsets.device, out_dtype,
-            None if gather_index is None else
-            (gather_index.shape, gather_index.stride(), gather_index.dtype, gather_index.device),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
 
 
 def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall:
@@ -251,7 +248,12 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
     then), else returns the kept PreparedCall for it."""
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)  # raises, naming it
-    key = _metadata_key(a, b, group_offsets, gather_index, bias, out_dtype)
+    # Everything check_moe_gemm_metadata, kernel_ready and the launch plan read of the inputs.
+    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+           group_offsets.shape, group_offsets.stride(), group_offsets.dtype, group_offsets.device, out_dtype,
+           None if gather_index is None else
+           (gather_index.shape, gather_index.stride(), gather_index.dtype, gather_index.device),
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
     found = _PREPARED.get(key)
     if found is not None:
         return found
@@ -261,28 +263,36 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
     rows = a.shape[0] if gather_index is None else gather_index.shape[0]
     if len(_PREPARED) >= _PREPARED_LIMIT:
         _PREPARED.clear()
-    return _PREPARED.setdefault(key, PreparedCall(resolved, rows, b.shape[2], in_place))
+    return _PREPARED.setdefault(key, PreparedCall(resolved, rows, b.shape[2], in_place, a.device.type))
 
 
-def _address(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _prepare_launch(a, b, group_offsets, gather_index, bias, out, p: PreparedCall):
+    """The launcher's prepared launch for p's metadata; decides whether A is widened (as
+    ``launch`` does)."""
+    C = _runtime.sycl_module()
+    args = gemm_args(a, b, group_offsets, gather_index, bias, out)
+    p.widen_a = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
+    if p.widen_a:
+        wide = a.float()  # the strides every widened A of this metadata gets
+        args.a_dtype, args.a_row_stride = _launcher_dtype(wide.dtype), wide.stride(0)
+    return C.PreparedGemm(args)
 
 
 def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
     if not p.in_place:
         a, b, group_offsets, gather_index, bias = kernel_ready(a, b, group_offsets, gather_index, bias)
     out = torch.empty(p.rows, p.n, dtype=p.out_dtype, device=a.device)
-    if p.template is None:  # the first call with this metadata plans it, the same for every later one
-        args = gemm_args(a, b, group_offsets, gather_index, bias, out)
-        p.widen_a = launch(args, a)
-        args.a = args.b = args.group_offsets = args.gather_index = args.bias = args.out = 0  # each call gives its own
-        p.template = args
-        return out
+    launcher = p.launcher
+    if launcher is None:  # the first call with this metadata plans it, the same for every later one
+        launcher = p.launcher = _prepare_launch(a, b, group_offsets, gather_index, bias, out, p)
     if p.widen_a:
-        a = a.float()  # as in launch: the same strides as the first call's, which the template holds
-    checked_launch(_runtime.sycl_module().moe_gemm_from_template, p.template, _runtime.queue_address(a.device),
-                    a.data_ptr(), b.data_ptr(), group_offsets.data_ptr(), _address(gather_index), _address(bias),
-                    out.data_ptr())
+        a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
+    try:
+        launcher.launch(0 if p.on_cpu else _runtime.queue_address(a.device), a.data_ptr(), b.data_ptr(),
+                        group_offsets.data_ptr(), 0 if gather_index is None else gather_index.data_ptr(),
+                        0 if bias is None else bias.data_ptr(), out.data_ptr())
+    except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
+        raise MoeXpuInputError(str(error)) from None
     return out
 
 
@@ -312,9 +322,6 @@ def _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, p: PreparedCall):
     if _runtime.sycl_module() is None:
         raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
     return _run_sycl(a, b, group_offsets, gather_index, bias, p)
-
-
-_ON_DEVICE = {"cpu": _moe_gemm_on_cpu, "xpu": _moe_gemm_on_xpu}
 
 
 @_moe_gemm_op.register_kernel("cpu")
@@ -376,6 +383,6 @@ def moe_gemm(
                                         out_dtype=out_dtype)
     if _dispatch.direct_call_ok(a, b, group_offsets, gather_index, bias):
         p = prepared(a, b, group_offsets, gather_index, bias, out_dtype)
-        return _ON_DEVICE[a.device.type](a, b, group_offsets, gather_index, bias, p)
+        return p.run(a, b, group_offsets, gather_index, bias, p)
     check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
     return _moe_gemm_op(a, b, group_offsets, gather_index, bias, out_dtype)

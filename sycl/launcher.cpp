@@ -524,26 +524,46 @@ const BuiltKernel& planned_kernel(sycl::queue& q, const DeviceDescription& d, DT
   return built;
 }
 
-void moe_gemm(const GemmArgs& args) {
-  if (args.queue == 0) check_host_values(args);  // CPU device: the values are in host memory
-  if (args.out_rows == 0 || args.N == 0) return;
+namespace {
+
+// What a launch's metadata settles on the host: the queue it is submitted to, the plan and the
+// built kernel. Kept by PreparedGemm, so a repeated launch skips the lookups.
+struct ResolvedLaunch {
+  sycl::queue* queue = nullptr;  // the calling thread's queue, or the device queue
+  bool on_calling_thread = false;
+  bool cpu_device = false;  // the process-wide CPU device queue (or its calling-thread twin)
+  LaunchPlan plan;
+  const BuiltKernel* built = nullptr;
+};
+
+ResolvedLaunch resolve(const GemmArgs& args) {
+  ResolvedLaunch r;
   sycl::queue& device_queue = queue_for(args.queue);
   const DeviceDescription& d = description_for(device_queue, args.variants_for);
-  const LaunchPlan plan = plan_for(args, d);
-  sycl::queue* inline_queue = plan.calling_thread && args.queue == 0 ? calling_thread_queue_or_null() : nullptr;
-  sycl::queue& q = inline_queue != nullptr ? *inline_queue : device_queue;
+  r.plan = plan_for(args, d);
+  r.cpu_device = args.queue == 0;
+  sycl::queue* inline_queue = r.plan.calling_thread && r.cpu_device ? calling_thread_queue_or_null() : nullptr;
+  r.on_calling_thread = inline_queue != nullptr;
+  r.queue = r.on_calling_thread ? inline_queue : &device_queue;
+  r.built = &planned_kernel(*r.queue, d, args.dtype, args.out_dtype, r.plan);
+  if (r.plan.matrix_engine && r.queue->get_device().is_cpu() &&
+      !(cpu_amx_usable() && (args.dtype != DType::float16 || cpu_has_amx_fp16())))
+    throw std::runtime_error("moe_xpu: " + r.plan.kernel_name + " needs AMX" +
+                             (args.dtype == DType::float16 ? "-FP16" : "") +
+                             ", which this CPU device cannot run (matrix-engine variants of a GPU are only compiled here)");
+  return r;
+}
+
+// Launches args (values already checked, a non-empty output) as r says.
+void submit(const GemmArgs& args, const ResolvedLaunch& r) {
+  sycl::queue& q = *r.queue;
+  const LaunchPlan& plan = r.plan;
   // The CPU device's launches complete before the call returns (their inputs are host memory the
   // caller may free); on the calling thread's queue it is the wait that runs the work-groups.
   auto finish = [&](sycl::event& done) {
-    if (inline_queue != nullptr) q.wait_and_throw();
-    else if (args.queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
+    if (r.on_calling_thread) q.wait_and_throw();
+    else if (r.cpu_device) with_torch_threads_parked([&] { done.wait_and_throw(); });
   };
-  const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
-  if (plan.matrix_engine && q.get_device().is_cpu() &&
-      !(cpu_amx_usable() && (args.dtype != DType::float16 || cpu_has_amx_fp16())))
-    throw std::runtime_error("moe_xpu: " + plan.kernel_name + " needs AMX" +
-                             (args.dtype == DType::float16 ? "-FP16" : "") +
-                             ", which this CPU device cannot run (matrix-engine variants of a GPU are only compiled here)");
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine
@@ -554,6 +574,7 @@ void moe_gemm(const GemmArgs& args) {
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size;
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
+  const sycl::kernel& kernel = r.built->kernel;
   if (is_quantized(args.dtype)) {
     const GemmArgs& x = args;
     sycl::event done = q.submit([&](sycl::handler& h) {
@@ -564,7 +585,7 @@ void moe_gemm(const GemmArgs& args) {
                  x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows, ptr(x.group_offsets),
                  int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset,
                  ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));
-      h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
+      h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
     });
     finish(done);
     return;
@@ -580,10 +601,47 @@ void moe_gemm(const GemmArgs& args) {
                ptr(args.scatter_index), int(args.scatter_is_int64),
                ptr(args.row_weight));
     if (plan.matrix_engine) h.set_arg(23, scratch);
-    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
+    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
   });
   if (scratch_lock.owns_lock()) scratch_lock.unlock();
   finish(done);
+}
+
+}  // namespace
+
+void moe_gemm(const GemmArgs& args) {
+  if (args.queue == 0) check_host_values(args);  // CPU device: the values are in host memory
+  if (args.out_rows == 0 || args.N == 0) return;
+  submit(args, resolve(args));
+}
+
+struct PreparedGemm::Resolved {
+  ResolvedLaunch launch;
+};
+
+PreparedGemm::PreparedGemm(const GemmArgs& args) : args_(args) {
+  if (args.out_rows != 0 && args.N != 0) resolved_ = std::make_shared<Resolved>(Resolved{resolve(args)});
+}
+
+const LaunchPlan& PreparedGemm::plan() const {
+  static const LaunchPlan none;
+  return resolved_ ? resolved_->launch.plan : none;
+}
+
+void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
+                          std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out) const {
+  GemmArgs args = args_;
+  args.queue = queue;
+  args.a = a;
+  args.b = b;
+  args.group_offsets = group_offsets;
+  args.gather_index = gather_index;
+  args.bias = bias;
+  args.out = out;
+  // Another queue (another XPU stream) may be another device: plan afresh.
+  if (resolved_ == nullptr || queue != args_.queue) return moe_gemm(args);
+  if (queue == 0) check_host_values(args);
+  submit(args, resolved_->launch);
 }
 
 void moe_gemm_wgrad(const WgradArgs& args) {

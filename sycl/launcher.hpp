@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -156,6 +157,22 @@ std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, s
 // Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);
+// A launch whose metadata (queue, shapes, strides, dtypes, which optional inputs are given) is
+// fixed: planned, and its kernel looked up, once. Each launch gives its own addresses. Launching
+// never writes the object, so threads may share it.
+class PreparedGemm {
+ public:
+  explicit PreparedGemm(const GemmArgs& args);
+  void launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
+              std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out) const;
+  const LaunchPlan& plan() const;
+  const GemmArgs& args() const { return args_; }
+
+ private:
+  struct Resolved;
+  GemmArgs args_;
+  std::shared_ptr<const Resolved> resolved_;  // null: nothing to launch (an empty output)
+};
 // Launches the weight-gradient kernel (same queue semantics as moe_gemm).
 void moe_gemm_wgrad(const WgradArgs& args);
 DeviceInfo device_info(std::uintptr_t queue);
