@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from moe_xpu import _dispatch, _runtime, torch_fallback
-from moe_xpu.ops import (INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, checked_launch, gemm_args, launch,
-                         rows_contiguous)
+from moe_xpu.ops import (INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, checked_launch, gemm_args,
+                         launch_prepared, prepare_launch, rows_contiguous)
 
 #: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
 #: skipped and contributes nothing. Any other id outside [0, num_experts) is an error.
@@ -184,7 +184,7 @@ def check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weight
         _fail(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     if not topk_weights.is_floating_point():
         _fail(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
-    if activation not in ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         _fail(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     for name, bias, shape in (("gate_up_bias", gate_up_bias, (E, 2 * I)), ("down_bias", down_bias, (E, H))):
         if bias is None:
@@ -208,15 +208,58 @@ def _k_contiguous_view(w: torch.Tensor) -> torch.Tensor:
     return view if view.shape[1] <= 1 or view.stride(1) == 1 else w.contiguous().transpose(1, 2)
 
 
-def _fused_moe_sycl(*args):
-    per_slot = _per_slot_sycl(*args)
+class PreparedFused:
+    """What a fused_moe call's metadata settles once its metadata is checked: both launches'
+    prepared launches (planned, kernels looked up) and whether x is widened for the first. Kept per
+    metadata (see ``prepared_fused``), so a decode step repeating an earlier step's shapes skips
+    the checks and the planning."""
+
+    __slots__ = ("gate_up", "down", "widen_x")
+
+    def __init__(self):
+        self.gate_up = self.down = None
+        self.widen_x = False
+
+
+_PREPARED: dict = {}
+_PREPARED_LIMIT = 512  # distinct metadata kept; past it the table starts over
+
+
+def _metadata(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def prepared_fused(args: tuple) -> PreparedFused:
+    """The checked metadata of fused_moe arguments (tensors, not QuantizedExperts): raises
+    MoeXpuInputError for bad metadata (nothing is kept then), else returns its PreparedFused."""
+    hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias = args
+    if not isinstance(activation, str):
+        check_fused_moe_metadata(*args)  # raises, naming it
+    try:
+        key = (_metadata(hidden_states), _metadata(gate_up_proj), _metadata(down_proj), _metadata(topk_weights),
+               _metadata(topk_ids), activation, _metadata(gate_up_bias), _metadata(down_bias))
+    except AttributeError:  # something that is not a tensor: the checks name it
+        check_fused_moe_metadata(*args)
+        raise
+    found = _PREPARED.get(key)
+    if found is not None:
+        return found
+    check_fused_moe_metadata(*args)
+    if len(_PREPARED) >= _PREPARED_LIMIT:
+        _PREPARED.clear()
+    return _PREPARED.setdefault(key, PreparedFused())
+
+
+def _fused_moe_sycl(*args, prepared: PreparedFused | None = None):
+    per_slot = _per_slot_sycl(*args, prepared=prepared)
     return per_slot.sum(dim=1).to(args[0].dtype)
 
 
 def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
-                   gate_up_bias, down_bias):
+                   gate_up_bias, down_bias, prepared: PreparedFused | None = None):
     """Every (token, slot) pair's weighted expert output, float32 [T, k, H] (zeros for sentinel
-    slots), before the slot sum."""
+    slots), before the slot sum. ``prepared``: the PreparedFused of these arguments' metadata, whose
+    launches are planned here on its first call."""
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
@@ -224,8 +267,6 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
     gather_index, group_offsets, scatter_index = _sort_tokens_impl(topk_ids, E)  # ids checked (on the CPU: by the sort)
     gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
     down_bias = None if down_bias is None else down_bias.contiguous()
-
-    # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
     # Locals keep every tensor the kernels read alive until the launches are done.
     # h is float32: the second GEMM reads it as float A (no widening in its k loop) and both
     # launches share one compiled kernel bundle. The vector kernels use h unrounded; the bf16
@@ -233,18 +274,29 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
     # bf16 model's own expert block would.
     w_gate_up, w_down = _k_contiguous_view(gate_up_proj), _k_contiguous_view(down_proj)
     h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
-    args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
-    args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
-    args.gather_matches_offsets = False  # slots of experts elsewhere sort past the last group
-    launch(args, x)
-
-    # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     per_slot = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
-    args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
-    args.row_weight = weights.data_ptr()
-    launch(args, h)
+    p = prepared if prepared is not None else PreparedFused()
+    if p.gate_up is None:  # the first call with this metadata plans both launches
+        args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
+        args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
+        args.gather_matches_offsets = False  # slots of experts elsewhere sort past the last group
+        gate_up, p.widen_x = prepare_launch(args, x)
+        args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
+        args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
+        args.row_weight = weights.data_ptr()
+        p.down, _ = prepare_launch(args, h)
+        p.gate_up = gate_up
+    queue = _runtime.queue_address(x.device)
+    a = x.float() if p.widen_x else x
+    bias_up = 0 if gate_up_bias is None else gate_up_bias.data_ptr()
+    bias_down = 0 if down_bias is None else down_bias.data_ptr()
+    # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
+    launch_prepared(p.gate_up, queue, a.data_ptr(), w_gate_up.data_ptr(), group_offsets.data_ptr(),
+                    gather_index.data_ptr(), bias_up, h.data_ptr())
+    # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
+    launch_prepared(p.down, queue, h.data_ptr(), w_down.data_ptr(), group_offsets.data_ptr(), 0, bias_down,
+                    per_slot.data_ptr(), scatter_index.data_ptr(), weights.data_ptr())
     return per_slot.view(T, k, H)
 
 
@@ -262,10 +314,10 @@ def _fused_moe_op(
     raise NotImplementedError(f"moe_xpu.fused_moe has no implementation for device {hidden_states.device}")
 
 
-def run_on_backend(args: tuple, fallback, sycl):
+def run_on_backend(args: tuple, fallback, sycl, **sycl_options):
     """Runs fused-MoE arguments whose metadata was checked (hidden_states, gate_up_proj, down_proj,
     topk_weights, topk_ids, ...) with ``fallback`` (plain PyTorch: CPU tensors with the torch
-    backend) or ``sycl``, checking the routing ids on the way."""
+    backend) or ``sycl`` (given ``sycl_options`` too), checking the routing ids on the way."""
     hidden_states, topk_ids, num_experts = args[0], args[4], args[1].shape[0]
     if hidden_states.device.type == "cpu" and _runtime.cpu_backend() == "torch":
         _check_topk_id_values(topk_ids, num_experts)
@@ -274,12 +326,12 @@ def run_on_backend(args: tuple, fallback, sycl):
         raise RuntimeError(f"moe_xpu: the SYCL launcher is not available: {_runtime.import_error()}")
     if hidden_states.device.type != "cpu":
         _check_topk_id_values(topk_ids, num_experts)  # on the CPU the host sort checks them
-    return sycl(*args)
+    return sycl(*args, **sycl_options)
 
 
-def _fused_moe_checked(*args):
-    """fused_moe on arguments whose metadata was checked."""
-    return run_on_backend(args, torch_fallback.fused_moe, _fused_moe_sycl)
+def _fused_moe_checked(*args, prepared: PreparedFused | None = None):
+    """fused_moe on arguments whose metadata was checked (``prepared``: their PreparedFused)."""
+    return run_on_backend(args, torch_fallback.fused_moe, _fused_moe_sycl, prepared=prepared)
 
 
 def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
@@ -339,12 +391,13 @@ def fused_moe(
     dequantized in the kernels' k loop).
     """
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
+    # Plain tensors only (never QuantizedExperts): their metadata is checked once per metadata.
+    if _dispatch.direct_call_ok(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_bias,
+                                down_bias):
+        return _fused_moe_checked(*args, prepared=prepared_fused(args))
     check_fused_moe_metadata(*args)
     if _is_quantized(gate_up_proj):
         from moe_xpu import fused_quant
 
         return fused_quant.fused_moe_quantized(*args)
-    if _dispatch.direct_call_ok(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_bias,
-                                down_bias):
-        return _fused_moe_checked(*args)
     return _fused_moe_op(*args)

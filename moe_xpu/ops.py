@@ -249,11 +249,15 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)  # raises, naming it
     # Everything check_moe_gemm_metadata, kernel_ready and the launch plan read of the inputs.
-    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-           group_offsets.shape, group_offsets.stride(), group_offsets.dtype, group_offsets.device, out_dtype,
-           None if gather_index is None else
-           (gather_index.shape, gather_index.stride(), gather_index.dtype, gather_index.device),
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
+    try:
+        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+               group_offsets.shape, group_offsets.stride(), group_offsets.dtype, group_offsets.device, out_dtype,
+               None if gather_index is None else
+               (gather_index.shape, gather_index.stride(), gather_index.dtype, gather_index.device),
+               None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
+    except AttributeError:  # something that is not a tensor: the checks name it
+        check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
+        raise
     found = _PREPARED.get(key)
     if found is not None:
         return found
@@ -266,16 +270,24 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
     return _PREPARED.setdefault(key, PreparedCall(resolved, rows, b.shape[2], in_place, a.device.type))
 
 
-def _prepare_launch(a, b, group_offsets, gather_index, bias, out, p: PreparedCall):
-    """The launcher's prepared launch for p's metadata; decides whether A is widened (as
-    ``launch`` does)."""
+def prepare_launch(args, a: torch.Tensor):
+    """The launcher's prepared launch (``_C.PreparedGemm``: planned, its kernel looked up) for
+    ``args`` (from ``gemm_args``; ``a`` is its A), and whether A is to be widened to float32 on
+    every call (as ``launch`` decides)."""
     C = _runtime.sycl_module()
-    args = gemm_args(a, b, group_offsets, gather_index, bias, out)
-    p.widen_a = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
-    if p.widen_a:
+    widen = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
+    if widen:
         wide = a.float()  # the strides every widened A of this metadata gets
         args.a_dtype, args.a_row_stride = _launcher_dtype(wide.dtype), wide.stride(0)
-    return C.PreparedGemm(args)
+    return C.PreparedGemm(args), widen
+
+
+def launch_prepared(launcher, queue: int, *addresses: int) -> None:
+    """``launcher.launch`` with the launcher's value errors turned into MoeXpuInputError."""
+    try:
+        launcher.launch(queue, *addresses)
+    except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
+        raise MoeXpuInputError(str(error)) from None
 
 
 def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
@@ -284,7 +296,8 @@ def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
     out = torch.empty(p.rows, p.n, dtype=p.out_dtype, device=a.device)
     launcher = p.launcher
     if launcher is None:  # the first call with this metadata plans it, the same for every later one
-        launcher = p.launcher = _prepare_launch(a, b, group_offsets, gather_index, bias, out, p)
+        launcher, p.widen_a = prepare_launch(gemm_args(a, b, group_offsets, gather_index, bias, out), a)
+        p.launcher = launcher
     if p.widen_a:
         a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
     try:

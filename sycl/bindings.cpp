@@ -170,15 +170,15 @@ PYBIND11_MODULE(_C, m) {
 
   // The GIL is released while kernels build and run so other Python threads keep going.
   m.def("moe_gemm", &moe_xpu::moe_gemm, py::arg("args"), py::call_guard<py::gil_scoped_release>());
-  // A launch planned once per call metadata (moe_xpu/ops.py keeps one per metadata): each call
-  // hands over its queue and seven addresses, which spares a repeated call building the argument
+  // A launch planned once per call metadata (moe_xpu/ops.py and fused.py keep one per metadata):
+  // each call hands over its queue and addresses, which spares a repeated call building the argument
   // struct in Python and the launcher re-planning it.
   py::class_<moe_xpu::PreparedGemm>(m, "PreparedGemm")
       .def(py::init<const GemmArgs&>(), py::arg("args"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("plan", &moe_xpu::PreparedGemm::plan)
       .def("launch", &moe_xpu::PreparedGemm::launch, py::arg("queue"), py::arg("a"), py::arg("b"),
            py::arg("group_offsets"), py::arg("gather_index"), py::arg("bias"), py::arg("out"),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("scatter_index") = 0, py::arg("row_weight") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::arg("calling_thread") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("parked_openmp_library", &moe_xpu::parked_openmp_library);

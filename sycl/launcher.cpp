@@ -629,7 +629,8 @@ const LaunchPlan& PreparedGemm::plan() const {
 }
 
 void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
-                          std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out) const {
+                          std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out,
+                          std::uintptr_t scatter_index, std::uintptr_t row_weight) const {
   GemmArgs args = args_;
   args.queue = queue;
   args.a = a;
@@ -638,6 +639,8 @@ void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t
   args.gather_index = gather_index;
   args.bias = bias;
   args.out = out;
+  args.scatter_index = scatter_index;
+  args.row_weight = row_weight;
   // Another queue (another XPU stream) may be another device: plan afresh.
   if (resolved_ == nullptr || queue != args_.queue) return moe_gemm(args);
   if (queue == 0) check_host_values(args);

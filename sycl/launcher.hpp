@@ -163,8 +163,10 @@ void moe_gemm(const GemmArgs& args);
 class PreparedGemm {
  public:
   explicit PreparedGemm(const GemmArgs& args);
+  // scatter_index and row_weight: the epilogue's, where the template's launch has them (fused_moe).
   void launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
-              std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out) const;
+              std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out, std::uintptr_t scatter_index = 0,
+              std::uintptr_t row_weight = 0) const;
   const LaunchPlan& plan() const;
   const GemmArgs& args() const { return args_; }
 

@@ -57,6 +57,22 @@ def test_shapes_not_multiple_of_tiles(T, H, I, E, k):
     check(out, x, gu, dn, w, ids, "silu", biases)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_calls_repeating_metadata_read_their_own_values(dtype):
+    """Calls with one metadata share prepared launches: each must still read its own tokens,
+    weights and routing (with a call of another metadata in between)."""
+    blocks = [make_block(11, 48, 20, 6, 2, dtype, routing, bias=True)
+              for routing in ("random", "one_expert_all", "empty_experts")]
+    outs = []
+    for x, gu, dn, w, ids, biases in blocks:
+        out = moe_xpu.fused_moe(x, gu, dn, w, ids, gate_up_bias=biases[0], down_bias=biases[1])
+        check(out, x, gu, dn, w, ids, "silu", biases)
+        outs.append(out)
+        moe_xpu.fused_moe(x[:3], gu, dn, w[:3], ids[:3], gate_up_bias=biases[0], down_bias=biases[1])
+    x, gu, dn, w, ids, biases = blocks[0]
+    assert torch.equal(moe_xpu.fused_moe(x, gu, dn, w, ids, gate_up_bias=biases[0], down_bias=biases[1]), outs[0])
+
+
 def test_zero_tokens():
     x, gu, dn, w, ids, _ = make_block(0, 32, 16, 4, 2, torch.float32)
     out = moe_xpu.fused_moe(x, gu, dn, w, ids)
@@ -123,6 +139,7 @@ BAD = [
     ("ids_range", dict(ids_value=9), "topk_ids values must lie in"),
     ("ids_negative", dict(ids_value=-2), "topk_ids values must lie in"),
     ("activation", dict(activation="relu"), "activation must be one of"),
+    ("activation_type", dict(activation=["silu"]), "activation must be one of"),
     ("down_shape", dict(down_shape=(4, 32, 15)), "down_proj must be"),
     ("weights_shape", dict(weights_shape=(6, 3)), "topk_weights must have"),
     ("dtype_mix", dict(gate_up_dtype=torch.bfloat16), "gate_up_proj must have"),

@@ -247,6 +247,30 @@ def test_bitwise_deterministic(dtype):
         assert torch.equal(moe_xpu.moe_gemm(a, b, offs, gather_index=gi), first)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_calls_repeating_metadata_read_their_own_values(dtype, layout):
+    """Calls with one metadata share a prepared launch (plan, kernel, A widening): each must still
+    read its own tensors, routing and index table, here interleaved with another metadata's call."""
+    T, E, K, N = 40, 5, 70, 33
+    b = make_b(E, K, N, dtype, layout)
+    calls = []
+    for routing in ("random", "one_group_all", "empty_groups", "partial"):
+        a = torch.randn(T, K, dtype=dtype)
+        offs = offsets(route(routing, E, T))
+        gi = torch.randint(0, T, (int(offs[-1]),))
+        bias = torch.randn(E, N, dtype=dtype)
+        calls.append((a, offs, gi, bias))
+    for a, offs, gi, bias in calls:
+        out = moe_xpu.moe_gemm(a, b, offs, gather_index=gi, bias=bias)
+        assert_matches_reference(out, a, b, offs, gather_index=gi, bias=bias)
+        other = moe_xpu.moe_gemm(a[:7], b, offsets([7] + [0] * (E - 1)))  # another metadata in between
+        assert_matches_reference(other, a[:7], b, offsets([7] + [0] * (E - 1)))
+    a, offs, gi, bias = calls[0]
+    assert torch.equal(moe_xpu.moe_gemm(a, b, offs, gather_index=gi, bias=bias),
+                       moe_xpu.moe_gemm(a.clone(), b.clone(), offs.clone(), gather_index=gi.clone(), bias=bias.clone()))
+
+
 # The tensors' values come from a seed Hypothesis draws, so a failing example replays exactly (with
 # values from the global generator, a failure was reported as flaky: the replay drew new values).
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
