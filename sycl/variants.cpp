@@ -55,9 +55,14 @@ constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in scheduler.hpp
 // kCpuTileTables). AVX2 (CL_CONFIG_CPU_TARGET_ARCH=core-avx2 on an AMD EPYC, bench cases, cold
 // cache, median of 3): K-split {3, 2} beyond decode, float32 prefill 238 -> 125-131 ms, 64tok
 // 98 -> 59-65 ms, bfloat16 prefill 187 -> 148 ms (of {3, 4}, {4, 2}, {2, 4}, {2, 2}, {5, 2}, {6, 2}
-// the fastest or within 5%); decode stays {1, 8} (bf16 8.6 ms, {1, 4} 10.5 ms). N-split {3, 2}:
-// [E, K, N] float32 prefill 280 -> 251 ms, 64tok 100 -> 83 ms, 16tok 52 -> 34 ms ({2, 4}: 237,
-// 111, 43 ms). The SSE table is sized by the same register count, not measured (no target CPU).
+// the fastest or within 5%); decode stays {1, 8} (bf16 8.6 ms, {1, 4} 10.5 ms). N-split {2, 2}:
+// {3, 2} had taken [E, K, N] float32 prefill 280 -> 251 ms, 64tok 100 -> 83 ms, 16tok 52 -> 34 ms
+// ({2, 4}: 237, 111, 43 ms); {2, 2} against {3, 2} (2-core Zen 3, two alternating runs each,
+// warm): kernel alone 64 rows an expert at K = N = 128 through an index table 327-332 vs 444-449
+// us, T64 E8 K128 N128 54-57 vs 74-76 us; 2048 rows over 32 experts K 2048 N 1536 float32 168-208
+// vs 216-222 ms, bfloat16 156 vs 220-232 ms; 64tok equal in float32, 72-75 vs 81-88 ms in
+// bfloat16; 16tok (memory bound) within the noise. The SSE table is sized by the same register
+// count, not measured (no target CPU).
 constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTilesCpu[] = {{1, 128}, {2, 8}};
 constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
@@ -70,7 +75,7 @@ struct CpuTileTable {
 };
 constexpr CpuTileTable kCpuTileTables[] = {
     {"avx512", 16, {kKLanesTiles[0], kKLanesTiles[1]}, {kNLanesTilesCpu[0], kNLanesTilesCpu[1]}},
-    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {3, 2}}},
+    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {2, 2}}},
     {"sse", 1, {{1, 4}, {2, 2}}, {{1, 128}, {2, 2}}},
 };
 
