@@ -589,7 +589,7 @@ def _print_small(rows: list[SmallRow], floors: dict[bool, float], repeats: int) 
 
 def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown: bool = False) -> list[SmallRow]:
     """Per-call cost at small shapes. The host time beyond the kernel of a moe_gemm call is its
-    time minus the kernel's: the launcher's own call on prepared arguments less the runtime's
+    time minus the kernel's: the launcher's prepared launch (as moe_gemm's calls run it) less the runtime's
     floor (an empty kernel's launch and wait, itself host time) on the same executor (the thread
     pool, or the calling thread for launches the plan runs there)."""
     from moe_xpu import ops
@@ -605,11 +605,12 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
         ids = torch.randn(case.tokens, case.experts, generator=gen).argmax(1)
         offsets = torch.bincount(ids, minlength=case.experts).cumsum(0).to(torch.int32)
         out = torch.empty(case.tokens, case.N)
-        args = ops.gemm_args(a, b, offsets, None, None, out)
+        prepared, _ = ops.prepare_launch(ops.gemm_args(a, b, offsets, None, None, out), a)  # as moe_gemm's calls run
+        addresses = (a.data_ptr(), b.data_ptr(), offsets.data_ptr(), 0, 0, out.data_ptr())
         t = median_times(_available({"moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
                                      "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),
-                                     "launcher": lambda: C.moe_gemm(args)}), repeats, flush)
-        kernel = max(t["launcher"] - floors[C.plan_gemm(args).calling_thread], 0.0)
+                                     "launcher": lambda: prepared.launch(0, *addresses)}), repeats, flush)
+        kernel = max(t["launcher"] - floors[prepared.plan.calling_thread], 0.0)
         rows.append(SmallRow(case.name, "moe_xpu", t["moe_xpu"], 1.0, (t["moe_xpu"] - kernel) * 1e6))
         if "grouped_mm" in t:
             rows.append(SmallRow(case.name, "grouped_mm", t["grouped_mm"], t["grouped_mm"] / t["moe_xpu"]))

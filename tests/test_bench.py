@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -57,8 +59,9 @@ def test_small_suite_prints_every_case(capsys):
     assert any("fused demo decode" in c for c in cases)
     for r in rows:
         assert r.seconds > 0
-        if r.impl == "moe_xpu":  # every moe_gemm case reports its host time
-            assert r.host_us is not None and r.host_us > 0
+        if r.impl == "moe_xpu":  # every moe_gemm case reports its host time (a difference of two
+            # medians: under load it can come out below zero, so only its presence is checked)
+            assert r.host_us is not None and math.isfinite(r.host_us)
 
 
 def test_isa_limit_applies_to_moe_xpu_and_torch(capfd):
