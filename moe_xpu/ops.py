@@ -176,16 +176,13 @@ def set_optional_inputs(args, gather_index: torch.Tensor | None, bias: torch.Ten
 
 
 def launch(args, a: torch.Tensor) -> bool:
-    """Launches the grouped GEMM described by ``args`` (from ``gemm_args``; ``a`` is its A).
-    When the planned kernel is faster with float32 A (16-bit inputs on tiles of several rows,
-    where A is re-read for every column tile but each B value serves a whole row tile), A is
-    widened once here, one pass over A, and the k loop converts only B. Returns whether it was."""
-    C = _runtime.sycl_module()
-    widen = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
+    """Plans and launches the grouped GEMM described by ``args`` (from ``gemm_args``; ``a`` is its
+    A) once, widening A where the plan says so (see ``prepare_launch``). Returns whether it did."""
+    prepared, widen = prepare_launch(args, a)
     if widen:
         a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
-        args.a_dtype, args.a, args.a_row_stride = _launcher_dtype(a.dtype), a.data_ptr(), a.stride(0)
-    checked_launch(C.moe_gemm, args)
+    launch_prepared(prepared, args.queue, a.data_ptr(), args.b, args.group_offsets, args.gather_index, args.bias,
+                    args.out, args.scatter_index, args.row_weight)
     return widen
 
 
@@ -272,8 +269,10 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
 
 def prepare_launch(args, a: torch.Tensor):
     """The launcher's prepared launch (``_C.PreparedGemm``: planned, its kernel looked up) for
-    ``args`` (from ``gemm_args``; ``a`` is its A), and whether A is to be widened to float32 on
-    every call (as ``launch`` decides)."""
+    ``args`` (from ``gemm_args``; ``a`` is its A), and whether every call widens A to float32 first:
+    when the planned kernel is faster with float32 A (16-bit inputs on tiles of several rows, where
+    A is re-read for every column tile but each B value serves a whole row tile), A is widened once
+    per call, one pass over A, and the k loop converts only B."""
     C = _runtime.sycl_module()
     widen = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
     if widen:
@@ -300,12 +299,9 @@ def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
         p.launcher = launcher
     if p.widen_a:
         a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
-    try:
-        launcher.launch(0 if p.on_cpu else _runtime.queue_address(a.device), a.data_ptr(), b.data_ptr(),
-                        group_offsets.data_ptr(), 0 if gather_index is None else gather_index.data_ptr(),
-                        0 if bias is None else bias.data_ptr(), out.data_ptr())
-    except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
-        raise MoeXpuInputError(str(error)) from None
+    launch_prepared(launcher, 0 if p.on_cpu else _runtime.queue_address(a.device), a.data_ptr(), b.data_ptr(),
+                    group_offsets.data_ptr(), 0 if gather_index is None else gather_index.data_ptr(),
+                    0 if bias is None else bias.data_ptr(), out.data_ptr())
     return out
 
 
