@@ -28,3 +28,19 @@ def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
         if type(t) not in _PLAIN or (grad and t.requires_grad):
             return False
     return True
+
+
+class MetadataTable(dict):
+    """What a call's metadata (shapes, strides, dtypes, devices) settles, kept per metadata so that
+    a repeated call is neither re-checked nor re-planned. Past ``limit`` distinct keys the table
+    starts over, so shapes that never repeat cannot grow it without bound; lookups are dict.get."""
+
+    def __init__(self, limit: int = 512):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key, value):
+        """Stores ``value`` under ``key`` (first one wins) and returns what is stored."""
+        if len(self) >= self.limit:
+            self.clear()
+        return self.setdefault(key, value)

@@ -221,8 +221,7 @@ class PreparedFused:
         self.widen_x = False
 
 
-_PREPARED: dict = {}
-_PREPARED_LIMIT = 512  # distinct metadata kept; past it the table starts over
+_PREPARED = _dispatch.MetadataTable()
 
 
 def _metadata(t):
@@ -245,9 +244,7 @@ def prepared_fused(args: tuple) -> PreparedFused:
     if found is not None:
         return found
     check_fused_moe_metadata(*args)
-    if len(_PREPARED) >= _PREPARED_LIMIT:
-        _PREPARED.clear()
-    return _PREPARED.setdefault(key, PreparedFused())
+    return _PREPARED.keep(key, PreparedFused())
 
 
 def _fused_moe_sycl(*args, prepared: PreparedFused | None = None):

@@ -236,8 +236,7 @@ class PreparedCall:
         self.launcher, self.widen_a = None, False
 
 
-_PREPARED: dict = {}
-_PREPARED_LIMIT = 512  # distinct metadata kept; past it the table starts over
+_PREPARED = _dispatch.MetadataTable()
 
 
 def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall:
@@ -262,9 +261,7 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
     ready = kernel_ready(a, b, group_offsets, gather_index, bias)
     in_place = all(x is y for x, y in zip(ready, (a, b, group_offsets, gather_index, bias)))
     rows = a.shape[0] if gather_index is None else gather_index.shape[0]
-    if len(_PREPARED) >= _PREPARED_LIMIT:
-        _PREPARED.clear()
-    return _PREPARED.setdefault(key, PreparedCall(resolved, rows, b.shape[2], in_place, a.device.type))
+    return _PREPARED.keep(key, PreparedCall(resolved, rows, b.shape[2], in_place, a.device.type))
 
 
 def prepare_launch(args, a: torch.Tensor):

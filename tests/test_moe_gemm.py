@@ -271,6 +271,22 @@ def test_calls_repeating_metadata_read_their_own_values(dtype, layout):
                        moe_xpu.moe_gemm(a.clone(), b.clone(), offs.clone(), gather_index=gi.clone(), bias=bias.clone()))
 
 
+def test_prepared_table_stays_bounded_and_right_past_its_limit(monkeypatch):
+    """More distinct metadata than the kept table holds: it starts over instead of growing, and
+    calls whose entry was dropped are checked and planned again, still right."""
+    from moe_xpu import ops
+
+    monkeypatch.setattr(ops._PREPARED, "limit", 3)
+    E, K, N = 3, 20, 12
+    b = torch.randn(E, K, N)
+    for _ in range(2):
+        for T in range(1, 8):
+            a = torch.randn(T, K)
+            offs = offsets(route("random", E, T))
+            assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+            assert len(ops._PREPARED) <= 3
+
+
 # The tensors' values come from a seed Hypothesis draws, so a failing example replays exactly (with
 # values from the global generator, a failure was reported as flaky: the replay drew new values).
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
