@@ -59,6 +59,7 @@ def info(warm_up: bool = False) -> None:
 
         print(f"  tuning         vector class {t['vector_class']} ({t['vector_width']} floats a register): "
               f"K-split tiles {shapes(t['k_lanes_tiles'])}, N-split tiles {shapes(t['n_lanes_tiles'])} "
+              f"(16-bit B: {shapes(t['n_lanes_tiles_16bit'])}) "
               f"(rows x columns per lane group; decode shape first); 4-bit weights decoded "
               f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
         limit = t["inline_flops"]

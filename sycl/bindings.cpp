@@ -19,16 +19,18 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
   using moe_xpu::Family;
   py::list shapes;
   for (const auto& s : d.matrix_shapes) shapes.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size));
-  auto tiles = [&](Family f) {
+  auto tiles = [&](Family f, DType t) {
     py::list out;
-    for (const auto& t : moe_xpu::family_tiles(f, d)) out.append(py::make_tuple(t.tile_m, t.tile_n));
+    for (const auto& s : moe_xpu::family_tiles(f, d, t)) out.append(py::make_tuple(s.tile_m, s.tile_n));
     return out;
   };
   return py::dict(py::arg("name") = d.name, py::arg("is_cpu") = d.is_cpu,
                   py::arg("vector_class") = moe_xpu::cpu_vector_class(d), py::arg("vector_width") = d.vector_width,
                   py::arg("sub_group_sizes") = d.sub_group_sizes, py::arg("local_mem_size") = d.local_mem_size,
                   py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes,
-                  py::arg("k_lanes_tiles") = tiles(Family::k_lanes), py::arg("n_lanes_tiles") = tiles(Family::n_lanes),
+                  py::arg("k_lanes_tiles") = tiles(Family::k_lanes, DType::float32),
+                  py::arg("n_lanes_tiles") = tiles(Family::n_lanes, DType::float32),
+                  py::arg("n_lanes_tiles_16bit") = tiles(Family::n_lanes, DType::bfloat16),
                   py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d),
                   py::arg("inline_flops") = moe_xpu::inline_flops_limit(d));
 }
@@ -190,7 +192,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_wgrad", &moe_xpu::plan_wgrad, py::arg("args"));
   m.def("plan_gemm_on_gpu", &moe_xpu::plan_gemm_on_gpu, py::arg("args"), py::arg("target"));
   m.def("tile_shapes", &moe_xpu::tile_shapes, py::arg("k_lanes"), py::arg("gated") = false,
-        py::arg("queue") = 0, py::arg("variants_for") = "");
+        py::arg("queue") = 0, py::arg("variants_for") = "", py::arg("dtype") = DType::float32);
   m.def("device_info", &moe_xpu::device_info, py::arg("queue") = 0);
   m.def("cpu_device_available", &moe_xpu::cpu_device_available);
   m.def("warm_up", &moe_xpu::warm_up, py::arg("queue"), py::arg("dtype"), py::arg("out_dtype"),

@@ -466,10 +466,10 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
 }  // namespace
 
 std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated, std::uintptr_t queue,
-                                             const std::string& variants_for) {
+                                             const std::string& variants_for, DType dtype) {
   std::vector<std::pair<int, int>> shapes;
   const DeviceDescription& d = description_for(queue_for(queue), variants_for);
-  for (TileShape s : family_tiles(family_of(k_lanes, gated), d)) shapes.emplace_back(s.tile_m, s.tile_n);
+  for (TileShape s : family_tiles(family_of(k_lanes, gated), d, dtype)) shapes.emplace_back(s.tile_m, s.tile_n);
   return shapes;
 }
 

@@ -151,9 +151,9 @@ LaunchPlan plan_wgrad(const WgradArgs& args);
 LaunchPlan plan_gemm_on_gpu(const GemmArgs& args, const std::string& target);
 // The (tile_m, tile_n) shapes compiled for one kernel family (k_lanes: K-contiguous B; gated:
 // with the gated-activation epilogue, K-contiguous B only) on the device of a queue (0: the SYCL CPU
-// device). The first is the decode shape.
+// device) for B of type dtype. The first is the decode shape.
 std::vector<std::pair<int, int>> tile_shapes(bool k_lanes, bool gated = false, std::uintptr_t queue = 0,
-                                             const std::string& variants_for = "");
+                                             const std::string& variants_for = "", DType dtype = DType::float32);
 // Launches the grouped GEMM. On the CPU device queue it waits for completion (torch CPU ops are
 // synchronous); on a caller's queue it returns at once.
 void moe_gemm(const GemmArgs& args);

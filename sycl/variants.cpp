@@ -61,40 +61,47 @@ constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in scheduler.hpp
 // warm): kernel alone 64 rows an expert at K = N = 128 through an index table 327-332 vs 444-449
 // us, T64 E8 K128 N128 54-57 vs 74-76 us; 2048 rows over 32 experts K 2048 N 1536 float32 168-208
 // vs 216-222 ms, bfloat16 156 vs 220-232 ms; 64tok equal in float32, 72-75 vs 81-88 ms in
-// bfloat16; 16tok (memory bound) within the noise. The SSE table is sized by the same register
-// count, not measured (no target CPU).
+// bfloat16; 16tok (memory bound) within the noise. float32 B has no word pairs to read, and there
+// {6, 1} (12 accumulator registers, one B vector a k step; the classic 6 x 16 AVX2 register
+// tile) beat {2, 2} on the [E, K, N] bench cases (Zen 3, two alternating runs, cold cache):
+// prefill 219-220 vs 241-309 ms, 64tok 104-118 vs 147-199 ms, 16tok 43-55 vs 57-58 ms; in
+// bfloat16 it lost the word pairs (prefill 277-314 vs 224-231 ms), so 16-bit B keeps {2, 2}. The
+// SSE table is sized by the same register count, not measured (no target CPU).
 constexpr TileShape kKLanesTiles[] = {{1, 8}, {6, 4}};
 constexpr TileShape kNLanesTilesCpu[] = {{1, 128}, {2, 8}};
 constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
 
-// The CPU tile tables per vector class, widest first: decode and prefill shape of each family.
+// The CPU tile tables per vector class, widest first: decode and prefill shape of each family
+// (N-split: for 16-bit B, read as word pairs, and for float32 B).
 struct CpuTileTable {
   const char* name;
   int vector_width;  // the narrowest width the table is for
-  TileShape k_lanes[2], n_lanes[2];
+  TileShape k_lanes[2], n_lanes[2], n_lanes_float[2];
 };
 constexpr CpuTileTable kCpuTileTables[] = {
-    {"avx512", 16, {kKLanesTiles[0], kKLanesTiles[1]}, {kNLanesTilesCpu[0], kNLanesTilesCpu[1]}},
-    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {2, 2}}},
-    {"sse", 1, {{1, 4}, {2, 2}}, {{1, 128}, {2, 2}}},
+    {"avx512", 16, {kKLanesTiles[0], kKLanesTiles[1]}, {kNLanesTilesCpu[0], kNLanesTilesCpu[1]},
+     {kNLanesTilesCpu[0], kNLanesTilesCpu[1]}},
+    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {2, 2}}, {{1, 128}, {6, 1}}},
+    {"sse", 1, {{1, 4}, {2, 2}}, {{1, 128}, {2, 2}}, {{1, 128}, {2, 2}}},
 };
 
 // MOE_XPU_CPU_TILES="k=1x4,3x4;n=1x128,2x4" replaces the CPU table (tuning on a new CPU class;
-// the description's name carries it, so its bundles are built apart).
+// the description's name carries it, so its bundles are built apart); "f=..." sets float32 B's
+// N-split tiles apart (default: the n tiles).
 const CpuTileTable* cpu_tiles_from_environment() {
   static const CpuTileTable* table = []() -> const CpuTileTable* {
     const char* v = std::getenv("MOE_XPU_CPU_TILES");
     if (v == nullptr || *v == '\0') return nullptr;
-    auto* t = new CpuTileTable{"custom", 1, {}, {}};
-    int k = 0, n = 0;
+    auto* t = new CpuTileTable{"custom", 1, {}, {}, {}};
+    int k = 0, n = 0, f = 0;
     std::string spec(v);
     for (std::size_t pos = 0; pos < spec.size();) {
       const std::size_t end = std::min(spec.find(';', pos), spec.size());
       const std::string part = spec.substr(pos, end - pos);
       pos = end + 1;
       if (part.size() < 2 || part[1] != '=') throw std::invalid_argument("moe_xpu: MOE_XPU_CPU_TILES: bad part " + part);
-      int* count = part[0] == 'k' ? &k : &n;
-      TileShape* into = part[0] == 'k' ? t->k_lanes : t->n_lanes;
+      int* count = part[0] == 'k' ? &k : part[0] == 'f' ? &f : &n;
+      TileShape* into = part[0] == 'k' ? t->k_lanes : part[0] == 'f' ? t->n_lanes_float : t->n_lanes;
       std::istringstream in(part.substr(2));
       int m = 0, c = 0;
       char x = 0, comma = 0;
@@ -103,7 +110,9 @@ const CpuTileTable* cpu_tiles_from_environment() {
         in >> comma;
       }
     }
-    if (k != 2 || n != 2) throw std::invalid_argument("moe_xpu: MOE_XPU_CPU_TILES needs two k and two n shapes");
+    if (k != 2 || n != 2 || (f != 0 && f != 2))
+      throw std::invalid_argument("moe_xpu: MOE_XPU_CPU_TILES needs two k and two n shapes (and two f shapes, if any)");
+    if (f == 0) std::copy(std::begin(t->n_lanes), std::end(t->n_lanes), t->n_lanes_float);
     return t;
   }();
   return table;
@@ -169,7 +178,7 @@ bool nibble_lookup(const DeviceDescription& d) {
   return forced >= 0 ? forced == 1 : (!d.is_cpu || d.vector_width >= 16);
 }
 
-std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
+std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType t) {
   switch (f) {
     case Family::k_lanes:
     case Family::k_lanes_gated:
@@ -184,7 +193,11 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d) {
       if (d.is_cpu) return {std::begin(cpu_tile_table(d).k_lanes), std::end(cpu_tile_table(d).k_lanes)};
       return {TileShape{1, 4}, TileShape{2, 4}};
     case Family::n_lanes:
-      if (d.is_cpu) return {std::begin(cpu_tile_table(d).n_lanes), std::end(cpu_tile_table(d).n_lanes)};
+      if (d.is_cpu) {
+        const CpuTileTable& table = cpu_tile_table(d);
+        const TileShape* tiles = t == DType::float32 ? table.n_lanes_float : table.n_lanes;
+        return {tiles, tiles + 2};
+      }
       return {std::begin(kNLanesTiles), std::end(kNLanesTiles)};
     // 16 tokens x 2 engine tiles of 16 weight rows (gated: one gate and one up tile).
     // Engine-tile tokens x 2 weight tiles (gated: one gate and one up tile).
@@ -214,8 +227,8 @@ constexpr int kRegisterTileVectors = 32;  // must match moe_gemm.cpp
 // a group. The CPU's streaming decode tile (N-split, wider than a
 // register tile) pays off on long B rows only: where N fits the other tile's columns, that tile
 // runs instead (T=8 E=8 K=128 N=64: 17-19 -> 14.5 us).
-TileShape choose_tile(Family f, const DeviceDescription& d, double rows_per_group, std::int64_t N) {
-  const std::vector<TileShape> tiles = family_tiles(f, d);
+TileShape choose_tile(Family f, const DeviceDescription& d, DType t, double rows_per_group, std::int64_t N) {
+  const std::vector<TileShape> tiles = family_tiles(f, d, t);
   if (tiles.size() == 1) return tiles[0];
   const bool short_rows = f == Family::n_lanes && tiles[0].tile_n > kRegisterTileVectors &&
                           N <= std::int64_t(tiles[1].tile_n) * kSubGroupSize;
@@ -406,7 +419,7 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
     for (DType a : quant_a_dtypes(t, out))
       for (Family f : {Family::quant, Family::quant_gated}) {
         if (f == Family::quant_gated && a == DType::int8) continue;  // the fused MoE runs weight-only
-        for (TileShape s : family_tiles(f, d)) variants.push_back(Variant{f, a, t, out, s});
+        for (TileShape s : family_tiles(f, d, t)) variants.push_back(Variant{f, a, t, out, s});
       }
     return variants;
   }
@@ -415,7 +428,7 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
   std::vector<Variant> variants;
   for (Family f : families)
-    for (TileShape s : family_tiles(f, d)) {
+    for (TileShape s : family_tiles(f, d, t)) {
       variants.push_back(Variant{f, t, t, out, s});
       if (has_float_a_variant(f, t)) variants.push_back(Variant{f, DType::float32, t, out, s});
     }
@@ -440,9 +453,9 @@ namespace {
 // caller's override (GemmArgs tile_m / tile_n), which must be one the family compiles.
 TileShape forward_tile(Family family, const GemmArgs& args, const DeviceDescription& d, double rows_per_group,
                        bool overridable) {
-  TileShape shape = choose_tile(family, d, rows_per_group, args.N);
+  TileShape shape = choose_tile(family, d, args.dtype, rows_per_group, args.N);
   if (!overridable || (args.tile_m == 0 && args.tile_n == 0)) return shape;
-  for (TileShape s : family_tiles(family, d))
+  for (TileShape s : family_tiles(family, d, args.dtype))
     if (s.tile_m == args.tile_m && s.tile_n == args.tile_n) return s;
   throw std::invalid_argument("moe_xpu: tile shape override is not compiled in");
 }
@@ -569,7 +582,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
 }
 
 LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
-  const TileShape shape = family_tiles(Family::wgrad, d)[0];
+  const TileShape shape = family_tiles(Family::wgrad, d, args.dtype)[0];
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(Family::wgrad, args.dtype, args.dtype, args.out_dtype, shape, d);
   plan.tile_m = shape.tile_m;

@@ -44,7 +44,9 @@ bool nibble_lookup(const DeviceDescription& d);
 // FLOPs up to which a CPU launch runs on the calling thread (0 on GPUs; see variants.cpp).
 double inline_flops_limit(const DeviceDescription& d);
 Family family_of(bool k_lanes, bool gated);
-std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d);
+// The tile shapes compiled for family f on device d with B elements of type t (the CPU's N-split
+// tiles differ between float32 and 16-bit B).
+std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType t);
 // The engine tiles the K-contiguous matrix kernel is written for (AMX, XMX on 16 and on 8 lanes).
 std::vector<MatrixShape> engine_tiles();
 // The engine tile the K-contiguous matrix kernel uses on device d (m == 0: none).

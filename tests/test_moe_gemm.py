@@ -495,7 +495,7 @@ def test_kn_last_tile_in_whole_vectors(dtype, N, counts, C):
     bias = torch.randn(E, N, dtype=dtype)
     offs = offsets(counts)
     a_, b_, offs_, _, bias_ = ops.kernel_ready(a, b, offs, None, bias)
-    widest = C.tile_shapes(False)[-1][1] * 16
+    widest = C.tile_shapes(False, dtype=ops._launcher_dtype(dtype))[-1][1] * 16
     first = None
     for workers in [0, 1, 3]:
         out = torch.full((rows + 2, N), float("nan"), dtype=dtype)
