@@ -159,6 +159,33 @@ def test_tiles_follow_the_vector_class_of_the_cpu_target(target, vector_class):
         assert rows * cols < 24
 
 
+
+def test_cpu_tile_table_override_sets_float32_n_split_tiles_apart():
+    """MOE_XPU_CPU_TILES replaces the CPU tile table; its f= part gives float32 B its own N-split
+    tiles (16-bit B keeps the n= ones), and the kernels built for them match the reference."""
+    code = """
+        import os
+        os.environ["MOE_XPU_CPU_TILES"] = "k=1x8,2x2;n=1x128,2x2;f=1x128,5x1"
+        import torch, moe_xpu
+        from moe_xpu import _runtime
+        C = _runtime.sycl_module()
+        assert C.tile_shapes(False) == [(1, 128), (5, 1)], C.tile_shapes(False)
+        assert C.tile_shapes(False, dtype=C.DType.bfloat16) == [(1, 128), (2, 2)]
+        assert C.tile_shapes(True) == [(1, 8), (2, 2)]
+        torch.manual_seed(0)
+        a = torch.randn(37, 45, dtype=torch.float64); b = torch.randn(3, 45, 70, dtype=torch.float64)
+        offs = torch.tensor([11, 11, 37], dtype=torch.int32)  # an empty expert, 11 and 26 rows
+        for dtype in (torch.float32, torch.bfloat16):
+            got = moe_xpu.moe_gemm(a.to(dtype), b.to(dtype), offs).double()
+            ref = torch.cat([a[:11].to(dtype).double() @ b[0].to(dtype).double(),
+                             a[11:].to(dtype).double() @ b[2].to(dtype).double()])
+            tol = 1e-3 if dtype == torch.float32 else 0.25
+            assert (got - ref).abs().max() < tol, (dtype, (got - ref).abs().max())
+        print("ok")
+    """
+    out = _run_python(code)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
 def test_the_launcher_runs_on_this_environments_runtime(C):
     """moe_xpu._C links the SYCL runtime of the environment it was built for and finds the CPU
     device there (a wheel once shipped a module built against another environment's runtime, and
