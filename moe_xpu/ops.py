@@ -191,10 +191,9 @@ _LAUNCH_ERRORS = (_runtime.sycl_module().ArgumentError,) if _runtime.sycl_module
 
 def checked_launch(launcher, *args) -> None:
     """Calls a launcher function, turning its value checks' errors into MoeXpuInputError."""
-    C = _runtime.sycl_module()
     try:
         launcher(*args)
-    except C.ArgumentError as error:  # a value check of the launcher (CPU device)
+    except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
         raise MoeXpuInputError(str(error)) from None
 
 

@@ -159,7 +159,6 @@ def test_tiles_follow_the_vector_class_of_the_cpu_target(target, vector_class):
         assert rows * cols < 24
 
 
-
 def test_cpu_tile_table_override_sets_float32_n_split_tiles_apart():
     """MOE_XPU_CPU_TILES replaces the CPU tile table; its f= part gives float32 B its own N-split
     tiles (16-bit B keeps the n= ones), and the kernels built for them match the reference."""
@@ -185,6 +184,7 @@ def test_cpu_tile_table_override_sets_float32_n_split_tiles_apart():
     """
     out = _run_python(code)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
 
 def test_the_launcher_runs_on_this_environments_runtime(C):
     """moe_xpu._C links the SYCL runtime of the environment it was built for and finds the CPU
