@@ -382,7 +382,9 @@ std::string bundle_key(const sycl::queue& q, const DeviceDescription& d, DType t
   std::string key = queue_key(q) + '/' + d.name + '/' + std::to_string(static_cast<int>(t)) + '/' +
                     std::to_string(static_cast<int>(out));
   // Kernel development: each MOE_XPU_KERNEL_SOURCE file gets its own bundles, so one process
-  // can time several variants side by side by switching the variable between calls.
+  // can time several variants side by side by switching the variable between calls (and
+  // clearing the Python tables of prepared calls, ops._PREPARED and fused._PREPARED, which keep
+  // the kernel they resolved first).
   if (const char* path = std::getenv("MOE_XPU_KERNEL_SOURCE")) key += std::string("/") + path;
   return key;
 }
