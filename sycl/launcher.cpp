@@ -385,17 +385,19 @@ std::string bundle_key(const sycl::queue& q, const DeviceDescription& d, DType t
   // can time several variants side by side by switching the variable between calls (and
   // clearing the Python tables of prepared calls, ops._PREPARED and fused._PREPARED, which keep
   // the kernel they resolved first).
-  if (const char* path = std::getenv("MOE_XPU_KERNEL_SOURCE")) key += std::string("/") + path;
+  const char* variable = is_quantized(t) ? "MOE_XPU_QUANT_KERNEL_SOURCE" : "MOE_XPU_KERNEL_SOURCE";
+  if (const char* path = std::getenv(variable)) key += std::string("/") + path;
   return key;
 }
 
-// The embedded forward kernel source, or for kernel development the file named by
-// MOE_XPU_KERNEL_SOURCE (edit and rerun without rebuilding the module).
-std::string kernel_source_text() {
-  const char* path = std::getenv("MOE_XPU_KERNEL_SOURCE");
-  if (path == nullptr || *path == '\0') return kMoeGemmSource;
+// An embedded kernel source, or for kernel development the file named by the environment
+// variable (MOE_XPU_KERNEL_SOURCE for moe_gemm.cpp, MOE_XPU_QUANT_KERNEL_SOURCE for
+// moe_gemm_quant.cpp): edit and rerun without rebuilding the module.
+std::string kernel_source_text(const char* variable, const char* embedded) {
+  const char* path = std::getenv(variable);
+  if (path == nullptr || *path == '\0') return embedded;
   std::ifstream file(path);
-  if (!file) throw std::runtime_error(std::string("moe_xpu: cannot read MOE_XPU_KERNEL_SOURCE=") + path);
+  if (!file) throw std::runtime_error(std::string("moe_xpu: cannot read ") + variable + "=" + path);
   return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
@@ -432,8 +434,9 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
 
   // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
   // each target its own cache directory.)
-  std::string source = is_quantized(t) ? std::string(kMoeGemmQuantSource) + "\n"
-                                       : kernel_source_text() + "\n" + kMoeGemmWgradSource + "\n";
+  std::string source = is_quantized(t) ? kernel_source_text("MOE_XPU_QUANT_KERNEL_SOURCE", kMoeGemmQuantSource) + "\n"
+                                       : kernel_source_text("MOE_XPU_KERNEL_SOURCE", kMoeGemmSource) + "\n" +
+                                             kMoeGemmWgradSource + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);

@@ -34,10 +34,10 @@ def test_every_built_kernel_runs_with_the_sub_group_size_it_requires(C, dtype, o
         assert 0 <= r.local_memory_bytes <= device.local_mem_size, r.name
 
 
-def _source_without_requirement(C, kernel: str) -> str:
+def _source_without_requirement(C, kernel: str, file: str = "moe_gemm.cpp") -> str:
     """The kernel source with the sub-group requirement of one kernel replaced by the bare
     sub_group_size property (a hint the runtime compiler does not honour)."""
-    source = C.kernel_source()
+    source = dict(C.kernel_files())[file]
     marker = f"MOE_XPU_KERNEL\nvoid {kernel}("
     assert source.count(marker) == 1, f"{kernel} is no longer declared with MOE_XPU_KERNEL"
     hint = ("SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))\n"
@@ -45,16 +45,22 @@ def _source_without_requirement(C, kernel: str) -> str:
     return source.replace(marker, f"{hint}void {kernel}(")
 
 
-@pytest.mark.parametrize("kernel,layout", [("moe_gemm_k_lanes", "linear"), ("moe_gemm_n_lanes", "kn")])
+@pytest.mark.parametrize("kernel,layout", [("moe_gemm_k_lanes", "linear"), ("moe_gemm_n_lanes", "kn"),
+                                           ("moe_gemm_quant", "int8")])
 def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_path, monkeypatch):
     """Removing the requirement from one kernel makes every launch fail with a RuntimeError
     naming the device, the property and the fallback, on every CPU target (on AVX-512 targets
-    the compiler happens to pick 16 anyway: the check does not rely on that)."""
-    path = tmp_path / "moe_gemm_unpinned.cpp"
-    path.write_text(_source_without_requirement(C, kernel))
-    monkeypatch.setenv("MOE_XPU_KERNEL_SOURCE", str(path))
+    the compiler happens to pick 16 anyway: the check does not rely on that). The quantized
+    kernels' source is swapped through its own variable."""
+    quant = layout == "int8"
+    path = tmp_path / "unpinned.cpp"
+    path.write_text(_source_without_requirement(C, kernel, "moe_gemm_quant.cpp" if quant else "moe_gemm.cpp"))
+    monkeypatch.setenv("MOE_XPU_QUANT_KERNEL_SOURCE" if quant else "MOE_XPU_KERNEL_SOURCE", str(path))
+    monkeypatch.setattr(ops, "_PREPARED", type(ops._PREPARED)())  # prepared calls keep their kernel
     a = torch.randn(8, 32)
     b = torch.randn(2, 32, 48) if layout == "kn" else torch.randn(2, 48, 32).transpose(1, 2)
+    if quant:
+        b = moe_xpu.quantize_experts(b, "int8")
     device = C.device_info(0).name
     with pytest.raises(RuntimeError, match="sub-group size") as info:
         moe_xpu.moe_gemm(a, b, torch.tensor([3, 8], dtype=torch.int32))
@@ -63,7 +69,7 @@ def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MOE_XPU_KERNEL_SOURCE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MOE_XPU_KERNEL_SOURCE", "MOE_XPU_QUANT_KERNEL_SOURCE")}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, env=env, timeout=600)
 
