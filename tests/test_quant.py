@@ -121,14 +121,26 @@ def test_w8a8(case, out_dtype, backend):
     assert_quant_close(out, a_deq.float(), q.dequantize(), offsets(counts), gather, out_dtype=out.dtype)
 
 
-def test_w8a8_from_int8_tensor_and_channel_scales():
+@pytest.mark.parametrize("counts,K,N,gathered", [
+    ([4, 0, 9], 200, 20, False),
+    # one or two rows a group (the decode tile, whose columns stream one after another on wide-
+    # vector devices), K past whole 16-k steps, empty groups, rows read through an index table
+    ([1, 0, 2, 1, 1, 0, 1, 2] * 4, 2051, 24, True),
+    ([0, 1, 0], 16, 40, False),
+])
+def test_w8a8_from_int8_tensor_and_channel_scales(counts, K, N, gathered):
     """The seed API: int8 a and b tensors, a_scale per token, b_scale per output channel."""
-    E, K, N, counts = 3, 200, 20, [4, 0, 9]
+    E, M = len(counts), sum(counts)
     b = torch.randint(-127, 128, (E, N, K), dtype=torch.int8).transpose(1, 2)
     b_scale = torch.rand(E, N) * 0.01
-    a = torch.randint(-127, 128, (sum(counts), K), dtype=torch.int8)
-    a_scale = torch.rand(sum(counts)) * 0.1
-    out = moe_xpu.moe_gemm(a, b, offsets(counts), a_scale=a_scale, b_scale=b_scale, out_dtype=torch.float32)
+    rows = M + 3 if gathered else M
+    a = torch.randint(-127, 128, (rows, K), dtype=torch.int8)
+    a_scale = torch.rand(rows) * 0.1
+    gather = torch.randint(0, rows, (M,)) if gathered else None
+    out = moe_xpu.moe_gemm(a, b, offsets(counts), a_scale=a_scale, b_scale=b_scale, gather_index=gather,
+                           out_dtype=torch.float32)
+    if gathered:
+        a, a_scale = a[gather], a_scale[gather]
     # int32 products are exact: the reference is exact too
     ref = moe_gemm_reference(a.double(), b.double(), offsets(counts))
     ref = ref * a_scale.double()[:, None]
@@ -168,13 +180,21 @@ for fmt, kw in [("int4", {"group_size": 32, "zero_point": True}), ("int4", {"gro
                 torch.randn(len(counts), 2 * 128, K).transpose(1, 2), fmt, **kw),
                 moe_xpu.quantize_experts(torch.randn(len(counts), K, 128).transpose(1, 2), fmt, **kw),
                 torch.rand(6, 2), torch.randint(0, len(counts), (6, 2))))
+# W8A8 one-row tiles: columns one after another where the lookup is chosen, side by side elsewhere
+for counts, K in [([1, 0, 2, 1] * 8, 2051), ([0, 1, 1], 48)]:
+    b = torch.randint(-127, 128, (len(counts), 72, K), dtype=torch.int8).transpose(1, 2)
+    a = torch.randint(-127, 128, (sum(counts), K), dtype=torch.int8)
+    go = torch.tensor(counts).cumsum(0).to(torch.int32)
+    results.append(moe_xpu.moe_gemm(a, b, go, a_scale=torch.rand(sum(counts)), b_scale=torch.rand(len(counts), 72),
+                                    out_dtype=torch.float32))
 torch.save(results, sys.argv[1])
 """
 
 
 def test_4_bit_decodes_give_the_same_bits(C, tmp_path):
     """4-bit weights are decoded by a sub-group table lookup on AVX-512 CPUs and GPUs and
-    arithmetically on narrower CPUs: both paths, forced on this host, give bitwise the same
+    arithmetically on narrower CPUs (and W8A8 one-row tiles read their columns one after another
+    there, side by side elsewhere): both paths, forced on this host, give bitwise the same
     outputs (each path's accuracy is covered by the tests above on the hosts that pick it)."""
     import os
     import subprocess
