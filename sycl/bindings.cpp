@@ -230,6 +230,5 @@ PYBIND11_MODULE(_C, m) {
         py::arg("target"));
   m.def("device_description", [](std::uintptr_t queue) { return description_dict(moe_xpu::device_description(queue)); },
         py::arg("queue") = 0);
-  m.def("kernel_source", &moe_xpu::kernel_source);
   m.def("kernel_files", &moe_xpu::kernel_files);
 }

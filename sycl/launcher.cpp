@@ -378,15 +378,20 @@ std::string queue_key(const sycl::queue& q) {
          std::to_string(std::hash<sycl::device>{}(q.get_device()));
 }
 
+// The environment variable that names a development copy of the kernel source for B of type t
+// (see kernel_source_text).
+const char* source_variable(DType t) {
+  return is_quantized(t) ? "MOE_XPU_QUANT_KERNEL_SOURCE" : "MOE_XPU_KERNEL_SOURCE";
+}
+
 std::string bundle_key(const sycl::queue& q, const DeviceDescription& d, DType t, DType out) {
   std::string key = queue_key(q) + '/' + d.name + '/' + std::to_string(static_cast<int>(t)) + '/' +
                     std::to_string(static_cast<int>(out));
-  // Kernel development: each MOE_XPU_KERNEL_SOURCE file gets its own bundles, so one process
+  // Kernel development: each file named by source_variable(t) gets its own bundles, so one process
   // can time several variants side by side by switching the variable between calls (and
   // clearing the Python tables of prepared calls, ops._PREPARED and fused._PREPARED, which keep
   // the kernel they resolved first).
-  const char* variable = is_quantized(t) ? "MOE_XPU_QUANT_KERNEL_SOURCE" : "MOE_XPU_KERNEL_SOURCE";
-  if (const char* path = std::getenv(variable)) key += std::string("/") + path;
+  if (const char* path = std::getenv(source_variable(t))) key += std::string("/") + path;
   return key;
 }
 
@@ -434,8 +439,8 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
 
   // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
   // each target its own cache directory.)
-  std::string source = is_quantized(t) ? kernel_source_text("MOE_XPU_QUANT_KERNEL_SOURCE", kMoeGemmQuantSource) + "\n"
-                                       : kernel_source_text("MOE_XPU_KERNEL_SOURCE", kMoeGemmSource) + "\n" +
+  std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n"
+                                       : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
@@ -788,8 +793,6 @@ std::vector<std::string> spirv_modules(const std::string& variants_for, DType dt
   if (modules.empty()) throw std::runtime_error("moe_xpu: the built kernels carry no SPIR-V");
   return modules;
 }
-
-const char* kernel_source() { return kMoeGemmSource; }
 
 std::vector<std::pair<std::string, std::string>> kernel_files() {
   return {{"common.hpp", kKernelCommonHeader},     {"scheduler.hpp", kKernelSchedulerHeader},

@@ -201,7 +201,6 @@ std::vector<std::string> bundle_kernel_names(std::uintptr_t queue, const std::st
 // The SPIR-V modules of the bundle of one dtype pair with the variants chosen for a GPU target (or
 // "" for the CPU device), built on the SYCL CPU device: what Intel's GPU compiler takes.
 std::vector<std::string> spirv_modules(const std::string& variants_for, DType dtype, DType out_dtype);
-const char* kernel_source();
 // Every embedded kernel file (name, text): the shared header and one file per kernel family.
 std::vector<std::pair<std::string, std::string>> kernel_files();
 

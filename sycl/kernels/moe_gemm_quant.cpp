@@ -311,10 +311,9 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
         #pragma unroll
         for (int j = 0; j < TN; ++j)
           sc[j] = end_scale ? 1.0f : Fmt::scale(scale, scale_at[j] + (kb / scale_block_k) * scale_stride_k);
-        if (unit && column_streams) {
+        if (unit) {
           if constexpr (column_streams) int8_column_streams<TN>(acc, a_row, b_col, kb, k_whole, w.lane);
-        } else if (unit) {
-          byte_steps<!end_scale, R, TN, TA, Fmt>(acc, a_row, b_col, kb, k_whole, w.lane, sc);
+          else byte_steps<!end_scale, R, TN, TA, Fmt>(acc, a_row, b_col, kb, k_whole, w.lane, sc);
         } else {
           for (int64_t k0 = kb; k0 < k_whole; k0 += kLanes) {
             const int64_t k = k0 + w.lane;
