@@ -293,6 +293,8 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
                     failures.append(f"{target} {label}: {name} is missing from the compiled module")
             if description["matrix_shapes"] and dtype in ("bfloat16", "float16") and not any("moe_gemm_matrix" in n for n in names):
                 failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
+            if description["int8_matrix"] and dtype == "int8" and not any("moe_gemm_quant_matrix" in n for n in names):
+                failures.append(f"{target} {label}: the target has int8 XMX tiles but no W8A8 matrix-engine variant was chosen")
             for name, b in sorted(built.items()):
                 b.name = name
                 problems = []
@@ -304,7 +306,7 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
                     problems.append(f"spills {b.spill} bytes")
                 if b.slm > limit:
                     problems.append(f"SLM {b.slm} > {limit} bytes a work-group gets")
-                if "moe_gemm_matrix" in name and b.dpas == 0:
+                if re.search(r"moe_gemm_(quant_)?matrix", name) and b.dpas == 0:
                     problems.append("matrix-engine variant without DPAS")
                 rows.append(Row(target, label, b, problems))
                 failures.extend(f"{target} {label}: {name}: {p}" for p in problems)

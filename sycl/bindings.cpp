@@ -28,6 +28,7 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
                   py::arg("vector_class") = moe_xpu::cpu_vector_class(d), py::arg("vector_width") = d.vector_width,
                   py::arg("sub_group_sizes") = d.sub_group_sizes, py::arg("local_mem_size") = d.local_mem_size,
                   py::arg("compute_units") = d.compute_units, py::arg("matrix_shapes") = shapes,
+                  py::arg("int8_matrix") = moe_xpu::engine_takes(d, DType::int8),
                   py::arg("k_lanes_tiles") = tiles(Family::k_lanes, DType::float32),
                   py::arg("n_lanes_tiles") = tiles(Family::n_lanes, DType::float32),
                   py::arg("n_lanes_tiles_16bit") = tiles(Family::n_lanes, DType::bfloat16),
@@ -160,7 +161,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("max_work_group_size", &moe_xpu::DeviceInfo::max_work_group_size)
       .def_readonly("local_mem_size", &moe_xpu::DeviceInfo::local_mem_size)
       .def_readonly("is_cpu", &moe_xpu::DeviceInfo::is_cpu)
-      .def_readonly("matrix_engine", &moe_xpu::DeviceInfo::matrix_engine);
+      .def_readonly("matrix_engine", &moe_xpu::DeviceInfo::matrix_engine)
+      .def_readonly("matrix_engine_int8", &moe_xpu::DeviceInfo::matrix_engine_int8);
 
   py::class_<moe_xpu::KernelReport>(m, "KernelReport")
       .def_readonly("name", &moe_xpu::KernelReport::name)

@@ -22,8 +22,12 @@ DeviceDescription gpu(const char* name, std::int64_t xe_cores, std::int64_t slm_
   return d;
 }
 
-const MatrixShape kXmx16{8, 16, 16, 16, true};  // Xe-HPC, Xe2, Xe3: DPAS 8 x 8 on 16 lanes
-const MatrixShape kXmx8{8, 8, 16, 8, true};     // Xe-HPG: DPAS on 8 lanes
+// bf16 and fp16 at these shapes; int8 (the W8A8 kernel) at twice their k, 8 x 16 x 32, where it
+// fits the register file: on Xe-HPG's 8 lanes the W8A8 kernel spilled (32-544 B per thread in
+// python -m moe_xpu.gpu_check, by how its epilogue columns were held), so W8A8 stays on the vector
+// kernel there.
+const MatrixShape kXmx16{8, 16, 16, 16, true, true};  // Xe-HPC, Xe2, Xe3: DPAS 8 x 8 on 16 lanes
+const MatrixShape kXmx8{8, 8, 16, 8, true, false};    // Xe-HPG: DPAS on 8 lanes
 
 std::vector<DeviceDescription> all_gpus() {
   return {
@@ -44,9 +48,10 @@ bool allows(std::size_t exact, std::size_t max, int want) {
   return exact != 0 ? exact == std::size_t(want) : want > 0 && std::size_t(want) <= max;
 }
 
-bool combination_allows(const MatrixCombination& c, const MatrixShape& s, const std::string& input) {
-  return c.atype == input && c.btype == input && c.ctype == "fp32" && allows(c.msize, c.max_msize, s.m) &&
-         allows(c.nsize, c.max_nsize, s.n) && allows(c.ksize, c.max_ksize, s.k);
+bool combination_allows(const MatrixCombination& c, const MatrixShape& s, const std::string& input,
+                        const std::string& acc = "fp32", int k_factor = 1) {
+  return c.atype == input && c.btype == input && c.ctype == acc && allows(c.msize, c.max_msize, s.m) &&
+         allows(c.nsize, c.max_nsize, s.n) && allows(c.ksize, c.max_ksize, s.k * k_factor);
 }
 
 }  // namespace
@@ -56,14 +61,16 @@ std::vector<MatrixShape> shapes_from_combinations(const std::vector<MatrixCombin
                                                   const std::vector<std::size_t>& sub_group_sizes) {
   std::vector<MatrixShape> shapes;
   for (MatrixShape s : candidates) {
-    bool lanes = false, bf16 = false, fp16 = false;
+    bool lanes = false, bf16 = false, fp16 = false, int8 = false;
     for (std::size_t size : sub_group_sizes) lanes = lanes || size == std::size_t(s.sub_group_size);
     for (const MatrixCombination& c : combinations) {
       bf16 = bf16 || combination_allows(c, s, "bf16");
       fp16 = fp16 || combination_allows(c, s, "fp16");
+      int8 = int8 || combination_allows(c, s, "sint8", "sint32", 2);
     }
     if (lanes && bf16) {
       s.fp16 = fp16;
+      s.int8 = int8;
       shapes.push_back(s);
     }
   }

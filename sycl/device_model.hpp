@@ -18,6 +18,8 @@ struct MatrixShape {
   int m = 0, n = 0, k = 0;
   int sub_group_size = 0;
   bool fp16 = false;  // the engine also takes float16 inputs at this shape (XMX; not AMX-BF16)
+  // ... and int8 inputs with int32 sums at m x n x 2k (AMX-INT8; XMX): the W8A8 matrix kernel.
+  bool int8 = false;
 };
 
 struct DeviceDescription {
@@ -46,8 +48,9 @@ struct MatrixCombination {
   std::string atype, btype, ctype;
 };
 // Which of the kernels' engine tiles (`candidates`) the combinations allow with bf16 inputs and
-// float accumulators; fp16 is set where fp16 inputs are allowed at the same shape too. A tile also
-// needs its sub-group size among the device's.
+// float accumulators; fp16 is set where fp16 inputs are allowed at the same shape too, int8 where
+// signed int8 inputs with int32 accumulators are allowed at twice its k. A tile also needs its
+// sub-group size among the device's.
 std::vector<MatrixShape> shapes_from_combinations(const std::vector<MatrixCombination>& combinations,
                                                   const std::vector<MatrixShape>& candidates,
                                                   const std::vector<std::size_t>& sub_group_sizes);

@@ -188,6 +188,12 @@ bool cpu_has_amx_bf16() {
   return ((lo >> 17) & 3u) == 3u;
 }
 
+// AMX-INT8 (CPUID leaf 7: EDX bit 25), on top of cpu_has_amx_bf16.
+bool cpu_has_amx_int8() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return cpu_has_amx_bf16() && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((edx >> 25) & 1u);
+}
+
 // AMX-FP16 (CPUID leaf 7 sub-leaf 1: EAX bit 21), on top of cpu_has_amx_bf16.
 bool cpu_has_amx_fp16() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -240,6 +246,8 @@ std::vector<MatrixShape> gpu_matrix_shapes(const sycl::device& dev, const std::v
       case mx::matrix_type::bf16: return "bf16";
       case mx::matrix_type::fp16: return "fp16";
       case mx::matrix_type::fp32: return "fp32";
+      case mx::matrix_type::sint8: return "sint8";
+      case mx::matrix_type::sint32: return "sint32";
       default: return "other";
     }
   };
@@ -285,7 +293,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
   d.local_mem_size = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
-  if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false});
+  if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
 }
@@ -412,6 +420,7 @@ syclex::include_files kernel_headers() {
   headers.add("common.hpp", kKernelCommonHeader);
   headers.add("scheduler.hpp", kKernelSchedulerHeader);
   headers.add("epilogue.hpp", kKernelEpilogueHeader);
+  headers.add("matrix_engine.hpp", kKernelMatrixEngineHeader);
   return headers;
 }
 
@@ -556,10 +565,12 @@ ResolvedLaunch resolve(const GemmArgs& args) {
   r.on_calling_thread = inline_queue != nullptr;
   r.queue = r.on_calling_thread ? inline_queue : &device_queue;
   r.built = &planned_kernel(*r.queue, d, args.dtype, args.out_dtype, r.plan);
-  if (r.plan.matrix_engine && r.queue->get_device().is_cpu() &&
-      !(cpu_amx_usable() && (args.dtype != DType::float16 || cpu_has_amx_fp16())))
+  const bool amx_runs = cpu_amx_usable() && (args.dtype == DType::float16 ? cpu_has_amx_fp16()
+                                              : args.dtype == DType::int8  ? cpu_has_amx_int8()
+                                                                           : true);
+  if (r.plan.matrix_engine && r.queue->get_device().is_cpu() && !amx_runs)
     throw std::runtime_error("moe_xpu: " + r.plan.kernel_name + " needs AMX" +
-                             (args.dtype == DType::float16 ? "-FP16" : "") +
+                             (args.dtype == DType::float16 ? "-FP16" : args.dtype == DType::int8 ? "-INT8" : "") +
                              ", which this CPU device cannot run (matrix-engine variants of a GPU are only compiled here)");
   return r;
 }
@@ -595,8 +606,10 @@ void submit(const GemmArgs& args, const ResolvedLaunch& r) {
                  x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows, ptr(x.group_offsets),
                  int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset,
                  ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));
+      if (plan.matrix_engine) h.set_arg(35, scratch);
       h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
     });
+    if (scratch_lock.owns_lock()) scratch_lock.unlock();
     finish(done);
     return;
   }
@@ -732,7 +745,9 @@ DeviceInfo device_info(std::uintptr_t queue) {
   info.max_work_group_size = dev.get_info<sycl::info::device::max_work_group_size>();
   info.local_mem_size = dev.get_info<sycl::info::device::local_mem_size>();
   info.is_cpu = dev.is_cpu();
-  info.matrix_engine = has_matrix_engine(describe(queue_for(queue)));
+  const DeviceDescription& described = describe(queue_for(queue));
+  info.matrix_engine = has_matrix_engine(described);
+  info.matrix_engine_int8 = engine_takes(described, DType::int8);
   return info;
 }
 
@@ -796,7 +811,8 @@ std::vector<std::string> spirv_modules(const std::string& variants_for, DType dt
 
 std::vector<std::pair<std::string, std::string>> kernel_files() {
   return {{"common.hpp", kKernelCommonHeader},     {"scheduler.hpp", kKernelSchedulerHeader},
-          {"epilogue.hpp", kKernelEpilogueHeader}, {"moe_gemm.cpp", kMoeGemmSource},
+          {"epilogue.hpp", kKernelEpilogueHeader}, {"matrix_engine.hpp", kKernelMatrixEngineHeader},
+          {"moe_gemm.cpp", kMoeGemmSource},
           {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}, {"moe_gemm_quant.cpp", kMoeGemmQuantSource}};
 }
 

@@ -88,6 +88,7 @@ struct DeviceInfo {
   std::size_t local_mem_size = 0;
   bool is_cpu = false;
   bool matrix_engine = false;  // the bf16 matrix-engine kernels run on this device
+  bool matrix_engine_int8 = false;  // ... and the W8A8 one (int8 tiles: AMX-INT8, XMX)
 };
 
 // Everything one weight-gradient launch needs: dB[g] = A[rows of g]^T @ dY[rows of g] for every

@@ -204,6 +204,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::matrix:
     case Family::matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_kn: return {TileShape{16, 2}};
+    case Family::quant_matrix: return {TileShape{engine_tile(d).n, 2}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -270,7 +271,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::matrix_kn:
     case Family::wgrad:
     case Family::quant:
-    case Family::quant_gated: return 0;
+    case Family::quant_gated:
+    case Family::quant_matrix: return 0;
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -290,6 +292,11 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(a) << ", " << format_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", "
          << s.tile_n << ", " << (f == Family::quant_gated ? "true" : "false") << ", "
          << (nibble_lookup(d) ? "true" : "false");
+    return args.str();
+  }
+  if (f == Family::quant_matrix) {  // the engine's int8 tile: twice its bf16 k
+    const MatrixShape e = engine_tile(d);
+    args << type_name(out) << ", " << e.m << ", " << e.n << ", " << 2 * e.k << ", " << e.sub_group_size;
     return args.str();
   }
   if (f == Family::matrix || f == Family::matrix_gated) {
@@ -318,6 +325,7 @@ std::string kernel_base(Family f) {
     case Family::wgrad: return "wgrad";
     case Family::quant:
     case Family::quant_gated: return "quant";
+    case Family::quant_matrix: return "quant_matrix";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -389,14 +397,14 @@ MatrixShape engine_tile(const DeviceDescription& d) {
 
 bool engine_takes(const DeviceDescription& d, DType t) {
   const MatrixShape e = engine_tile(d);
-  return e.m != 0 && (t == DType::bfloat16 || (t == DType::float16 && e.fp16));
+  return e.m != 0 && (t == DType::bfloat16 || (t == DType::float16 && e.fp16) || (t == DType::int8 && e.int8));
 }
 
 bool has_matrix_engine(const DeviceDescription& d) { return engine_tile(d).m != 0; }
 
 int sub_group_size(const Variant& v, const DeviceDescription& d) {
-  return v.family == Family::matrix || v.family == Family::matrix_gated ? engine_tile(d).sub_group_size
-                                                                        : int(kSubGroupSize);
+  const bool engine = v.family == Family::matrix || v.family == Family::matrix_gated || v.family == Family::quant_matrix;
+  return engine ? engine_tile(d).sub_group_size : int(kSubGroupSize);
 }
 
 namespace {
@@ -421,6 +429,8 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
         if (f == Family::quant_gated && a == DType::int8) continue;  // the fused MoE runs weight-only
         for (TileShape s : family_tiles(f, d, t)) variants.push_back(Variant{f, a, t, out, s});
       }
+    if (engine_takes(d, t) && t == DType::int8)
+      variants.push_back(Variant{Family::quant_matrix, DType::int8, t, out, family_tiles(Family::quant_matrix, d, t)[0]});
     return variants;
   }
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
@@ -491,20 +501,35 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   const bool gated = args.activation != 0;
   if (gated && args.a_dtype == DType::int8)
     throw std::invalid_argument("moe_xpu: the gated epilogue with quantized B takes float activations");
-  const Family family = gated ? Family::quant_gated : Family::quant;
   const double rows_per_group =
       args.num_groups > 0 ? double(args.out_rows) / double(args.num_groups) : double(args.out_rows);
-  const TileShape shape = forward_tile(family, args, d, rows_per_group, true);
+  // W8A8 on the matrix engine's int8 tile: int8 weights contiguous along K with one scale per
+  // output channel, whole engine steps of K and whole tiles of N, and (as for bf16) more than a
+  // couple of rows a group: with one or two, a token tile is mostly padding.
+  const MatrixShape e = engine_tile(d);
+  const bool matrix_shape = args.a_dtype == DType::int8 && engine_takes(d, args.dtype) && args.b_stride_k == 1 &&
+                            args.scale_block_k >= args.K && args.K % (2 * e.k) == 0 && args.N % e.m == 0;
+  if (args.engine == 2 && !matrix_shape)
+    throw std::invalid_argument(
+        "moe_xpu: the matrix engine takes quantized B only as W8A8 on an engine with int8 tiles, int8 B "
+        "contiguous along K with per-channel scales, K a multiple of the engine's int8 k and N of its tile");
+  const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape && rows_per_group > 2.0 &&
+                                               args.tile_m == 0 && args.tile_n == 0);
+  const Family family = use_matrix ? Family::quant_matrix : gated ? Family::quant_gated : Family::quant;
+  const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix);
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
+  plan.matrix_engine = use_matrix;
   plan.tile_m = shape.tile_m;
-  plan.tile_n = gated ? shape.tile_n / 2 : shape.tile_n;
-  plan.sub_group_size = int(kSubGroupSize);
+  plan.tile_n = use_matrix ? 2 * e.m : gated ? shape.tile_n / 2 : shape.tile_n;
+  const std::int64_t lanes = use_matrix ? e.sub_group_size : kSubGroupSize;
+  plan.sub_group_size = int(lanes);
   // As the float kernels: one sub-group per work-group and 16 workers per core on the CPU, 4
-  // sub-groups per work-group and 32 workers per compute unit on GPUs.
+  // sub-groups per work-group and 32 workers per compute unit on GPUs (matrix engine: 8, each
+  // with its scratch area).
   const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
-  plan.work_group_size = subgroups_per_wg * kSubGroupSize;
-  plan.num_workers = forward_workers(args, plan, d, d.is_cpu ? 16 : 32, subgroups_per_wg);
+  plan.work_group_size = subgroups_per_wg * lanes;
+  plan.num_workers = forward_workers(args, plan, d, d.is_cpu ? 16 : use_matrix ? 8 : 32, subgroups_per_wg);
   plan.calling_thread = runs_on_calling_thread(args, d);
   return plan;
 }

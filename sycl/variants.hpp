@@ -19,8 +19,10 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // Which kernel family a launch uses: the B layout picks the lane split, the epilogue whether it
 // is gated (wgrad: the weight gradient, moe_gemm_wgrad.cpp); bf16 runs on the matrix engine where there is one (see has_matrix_engine and
 // plan_for), with one matrix kernel per B layout.
-// quant / quant_gated: quantized B (moe_gemm_quant.cpp), K-split like k_lanes.
-enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated };
+// quant / quant_gated: quantized B (moe_gemm_quant.cpp), K-split like k_lanes; quant_matrix: W8A8
+// on the matrix engine's int8 tile.
+enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
+                    quant_matrix };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).
@@ -53,7 +55,7 @@ std::vector<MatrixShape> engine_tiles();
 MatrixShape engine_tile(const DeviceDescription& d);
 // The device has a matrix engine whose tile the matrix kernels are written for.
 bool has_matrix_engine(const DeviceDescription& d);
-// ... and it takes inputs of dtype t (bf16 everywhere; fp16 on XMX).
+// ... and it takes inputs of dtype t (bf16 everywhere; fp16 on XMX; int8 with int8 A: AMX-INT8, XMX).
 bool engine_takes(const DeviceDescription& d, DType t);
 // The sub-group size a variant is written for (and required to compile with).
 int sub_group_size(const Variant& v, const DeviceDescription& d);

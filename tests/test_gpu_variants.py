@@ -16,6 +16,9 @@ from reference import assert_matches_reference
 GPU_TARGETS = ["pvc", "bmg", "lnl", "ptl", "dg2", "mtl"]
 XMX = {"pvc": (8, 16, 16, 16), "bmg": (8, 16, 16, 16), "lnl": (8, 16, 16, 16),
        "ptl": (8, 16, 16, 16), "dg2": (8, 8, 16, 8)}
+# W8A8 on XMX: the int8 tile (twice the bf16 k) where the kernel fits the register file (not on
+# Xe-HPG's 8 lanes, where it spilled).
+XMX_INT8 = {"pvc": (8, 16, 32, 16), "bmg": (8, 16, 32, 16), "lnl": (8, 16, 32, 16), "ptl": (8, 16, 32, 16)}
 
 
 def make_b(E, K, N, dtype, layout):
@@ -36,6 +39,7 @@ def test_every_target_is_described(C):
         assert d["local_mem_size"] >= 64 * 1024 and d["compute_units"] > 0, target
         expected = [XMX[target]] if target in XMX else []
         assert [tuple(s) for s in d["matrix_shapes"]] == expected, target
+        assert d["int8_matrix"] == (target in XMX_INT8), target
     with pytest.raises(ValueError, match="unknown GPU target"):
         C.gpu_description("gen9")
 
@@ -143,6 +147,18 @@ def test_gpu_gated_variants_run_correctly_here(C):
             args.variants_for, args.tile_m, args.tile_n = target, tile_m, tile_n
             C.moe_gemm(args)
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_gpu_w8a8_choice(C, target):
+    """The int8 bundle of a GPU holds the W8A8 matrix kernel at the target's int8 tile where it has
+    one, and W8A8 prefill with K-contiguous weights runs on it there."""
+    names = C.bundle_kernel_names(0, target, C.DType.int8, C.DType.bfloat16)
+    matrix = [n for n in names if "quant_matrix" in n]
+    if target in XMX_INT8:
+        assert matrix == ["moe_xpu::moe_gemm_quant_matrix<uint16_t, " + ", ".join(map(str, XMX_INT8[target])) + ">"]
+    else:
+        assert not matrix, names
 
 
 @pytest.mark.parametrize("target", ["pvc", "dg2"])

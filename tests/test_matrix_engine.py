@@ -243,3 +243,121 @@ def test_engine_stays_off_when_the_opencl_runtime_loaded_first(C):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "vector kernels only" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# W8A8 on the engine's int8 tile (moe_gemm_quant_matrix: AMX-INT8 here; XMX int8 on GPUs)
+# ---------------------------------------------------------------------------------------------
+
+def _w8a8_inputs(counts, K, N, rows, gathered, with_bias, index_dtype=torch.int64):
+    E, M = len(counts), sum(counts)
+    b = torch.randint(-127, 128, (E, N, K), dtype=torch.int8).transpose(1, 2)  # K contiguous
+    b_scale = torch.rand(E, N) * 0.01
+    a = torch.randint(-127, 128, (rows, K), dtype=torch.int8)
+    a_scale = torch.rand(rows) * 0.1
+    gather = torch.randint(0, rows, (M,), dtype=index_dtype) if gathered else None
+    bias = torch.randn(E, N) if with_bias else None
+    return a, a_scale, b, b_scale, gather, bias
+
+
+def _w8a8_reference(a, a_scale, b, b_scale, counts, gather, bias, rows_out):
+    """Exact int products in float64, then the scales and bias; rows past the last offset zero."""
+    out = torch.zeros(rows_out, b.shape[2], dtype=torch.float64)
+    start = 0
+    for g, n in enumerate(counts):
+        src = torch.arange(start, start + n) if gather is None else gather[start:start + n].long()
+        out[start:start + n] = (a[src].double() @ b[g].double()) * a_scale[src].double()[:, None] * b_scale[g].double()
+        if bias is not None:
+            out[start:start + n] += bias[g].double()
+        start += n
+    return out
+
+
+def _run_w8a8(C, a, a_scale, b, b_scale, counts, gather, bias, out_dtype, engine, workers=0, variants_for=""):
+    from moe_xpu import quant
+
+    q = quant.QuantizedExperts.from_int8(b, b_scale)
+    planned = []
+
+    def configure(args):
+        args.engine, args.num_workers, args.variants_for = engine, workers, variants_for
+        planned.append(C.plan_gemm(args))
+
+    out = quant.run_quant(a, q, offsets(counts), a_scale, gather, bias, out_dtype, configure=configure)
+    assert planned[0].matrix_engine == (engine == MATRIX), planned[0].kernel_name
+    return out
+
+
+@pytest.fixture
+def C8(C):
+    if not C.device_info(0).matrix_engine_int8:
+        pytest.skip("no int8 matrix tile: needs a CPU with AMX-INT8")
+    return C
+
+
+@pytest.mark.parametrize("counts,K,N,tail,gathered", [
+    ([0, 37, 0, 3, 1], 128, 48, 2, False),       # empty experts, a short tile, an odd last column tile
+    ([0, 0, 150], 64, 32, 0, False),             # one expert taking every row: three 64-row blocks
+    ([1, 0, 2, 1] * 16, 256, 16, 3, True),       # many experts of a row or two, through an index table
+    ([17, 33, 64, 5], 1024, 80, 0, True),        # K over many engine steps
+    ([0, 0, 0], 64, 16, 4, False),               # no routed rows: only the zeroed tail
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", ["amx", "pvc"])
+def test_w8a8_engine_matches_exact_reference(C8, counts, K, N, tail, gathered, out_dtype, tile):
+    """At AMX's int8 tile (16 x 16 x 64) and at the GPU's (Xe-HPC, Xe2, Xe3 XMX: 8 x 16 x 32 on
+    16 lanes), both run here by AMX."""
+    rows = sum(counts) + tail if not gathered else 40
+    a, a_scale, b, b_scale, gather, bias = _w8a8_inputs(counts, K, N, rows, gathered, with_bias=True)
+    out = _run_w8a8(C8, a, a_scale, b, b_scale, counts, gather, bias, out_dtype, MATRIX,
+                    variants_for="" if tile == "amx" else tile)
+    ref = _w8a8_reference(a, a_scale, b, b_scale, counts, gather, bias, out.shape[0])
+    # int32 sums are exact; one float rounding of the scaled sum, then the output dtype's
+    eps = torch.finfo(out_dtype).eps
+    torch.testing.assert_close(out.double(), ref, rtol=2 * eps, atol=2 * eps * max(1.0, ref.abs().max().item()))
+
+
+def test_w8a8_engine_strided_rows_and_workers_bitwise(C8):
+    """Padded weight rows and A rows, int32 offsets and index table; every worker count gives the
+    same bits (the unit a worker computes does not depend on where it falls)."""
+    counts, K, N = [1, 200, 0, 2, 30, 70], 128, 48
+    E, M = len(counts), sum(counts)
+    b = torch.randint(-127, 128, (E, N, K + 64), dtype=torch.int8)[:, :, :K].transpose(1, 2)
+    b_scale = torch.rand(E, N) * 0.01
+    a = torch.randint(-127, 128, (90, K + 16), dtype=torch.int8)[:, :K]
+    a_scale = torch.rand(90) * 0.1
+    gather = torch.randint(0, 90, (M,), dtype=torch.int32)
+    ref = _w8a8_reference(a, a_scale, b, b_scale, counts, gather, None, M)
+    first = None
+    for workers in [1, 3, 7, 64, 1000]:
+        out = _run_w8a8(C8, a, a_scale, b, b_scale, counts, gather, None, torch.float32, MATRIX, workers)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+        first = out if first is None else first
+        assert torch.equal(out, first)
+
+
+def test_w8a8_engine_is_chosen_for_prefill_not_decode(C8):
+    """The launcher puts W8A8 on the engine at several rows an expert (K and N in whole tiles) and
+    keeps the vector kernel for decode, for K off the engine's step and for [E, K, N] weights."""
+    from moe_xpu import quant
+
+    def plan(counts, K, N, layout="linear"):
+        w = torch.randn(len(counts), N, K).transpose(1, 2) if layout == "linear" else torch.randn(len(counts), K, N)
+        q = moe_xpu.quantize_experts(w, "int8")
+        a, s = moe_xpu.quantize_per_token(torch.randn(sum(counts), K))
+        plans = []
+        quant.run_quant(a, q, offsets(counts), s, None, None, torch.float32,
+                        configure=lambda args: plans.append(C8.plan_gemm(args)))
+        return plans[0]
+
+    assert plan([16] * 4, 256, 64).kernel_name.startswith("moe_xpu::moe_gemm_quant_matrix<")
+    assert not plan([1] * 8, 256, 64).matrix_engine          # decode: a token tile would be padding
+    assert not plan([16] * 4, 256 + 32, 64).matrix_engine    # K not a whole number of int8 steps
+    assert not plan([16] * 4, 256, 64 + 8).matrix_engine     # N not whole tiles
+    assert not plan([16] * 4, 256, 64, "kn").matrix_engine   # weights contiguous along N
+
+
+def test_w8a8_engine_refused_off_its_shapes(C8):
+    a, a_scale, b, b_scale, _, _ = _w8a8_inputs([8, 8], 96, 32, 16, False, False)
+    with pytest.raises(ValueError, match="int8 tiles"):
+        _run_w8a8(C8, a, a_scale, b, b_scale, [8, 8], None, None, torch.float32, MATRIX)

@@ -31,6 +31,7 @@
 // table lookup across the sub-group or arithmetically, per device class, with the same bits (see
 // packed_step). Bitwise reproducible, as elsewhere.
 #include "epilogue.hpp"
+#include "matrix_engine.hpp"
 #include "scheduler.hpp"
 
 namespace moe_xpu {
@@ -437,6 +438,91 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
       });
 }
 
+// W8A8 on the matrix engine (AMX-INT8 on Xeon CPUs, XMX int8 on Intel GPUs), for int8 B stored
+// with K contiguous (nn.Linear weights) and one scale per output channel: the float matrix
+// kernel's transposed product out^T = B^T A^T (matrix_engine.hpp) with int8 tiles and int32
+// sums. Each worker packs its row block's int8 token rows four k to a word (the engine's packed
+// form for int8) once into its scratch area; the weight rows are the engine's row-major left
+// operand, read in place. The epilogue scales each tile's exact int32 sums once:
+// (sum * (a_scale[row] * b_scale[n]) + bias[n]) * row weight, as the vector W8A8 kernel does per
+// lane before its cross-lane sum (so the two agree to float rounding, not bit for bit). Needs
+// K % (the engine tile's k) == 0 and N % Rows == 0 (checked by the launcher).
+template <typename TOut, int Rows, int Toks, int KStep, int Lanes>
+MOE_XPU_KERNEL_WITH_LANES(Lanes)
+void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                           int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
+                           int64_t /*b_stride_k: 1*/, const void* scale, int64_t scale_stride_e,
+                           int64_t scale_stride_n, int64_t /*scale_stride_k*/, int64_t scale_block_n,
+                           int64_t /*scale_block_k: K*/, const uint8_t* /*zero*/, int64_t, int64_t, int64_t,
+                           const float* a_scale, const float* bias, int64_t bias_stride_e, TOut* out,
+                           int64_t out_row_stride, int64_t out_rows, const void* group_offsets,
+                           int offsets_is64, int64_t num_groups, int64_t K, int64_t N, int /*activation*/,
+                           int64_t /*up_offset*/, const void* scatter_index, int scatter_is64,
+                           const float* row_weight, void* scratch) {
+  using Tile = EngineTile<Rows, Toks, KStep, Lanes>;
+  const Worker w = this_worker();
+  unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * matrix_scratch_bytes(K, false);
+  uint32_t* packed = reinterpret_cast<uint32_t*>(mine);                  // [tok_tiles][K / 4][Toks]
+  int32_t* stored = reinterpret_cast<int32_t*>(mine + matrix_a_bytes(K));  // [4][Rows][Toks]
+  constexpr int out_cols = 2 * Rows;  // a unit: two weight tiles
+  constexpr int kColumnSteps = (out_cols + Lanes - 1) / Lanes;  // epilogue column c = lane + Lanes * s
+  const float* b_scale = static_cast<const float*>(scale);
+  for_each_engine_unit<Tile>(
+      w, group_offsets, offsets_is64, num_groups, out_rows, N, out_cols, UnitCost{1, 7}, out,
+      out_row_stride, scatter_index, scatter_is64, row_weight,
+      [&](int64_t j, int64_t m0, int64_t valid) {
+        // Lane t packs token t: word r holds its k = 4r .. 4r + 3, low byte first (rows past
+        // valid repeat the last one; their outputs are not stored).
+        const int64_t m = m0 + (w.lane < valid ? w.lane : valid - 1);
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride);
+        uint32_t* dst = packed + j * (K / 4) * Toks;
+        for (int64_t r = 0; r < K / 4; ++r)
+          dst[r * Toks + w.lane] = uint32_t(row[4 * r]) | (uint32_t(row[4 * r + 1]) << 8) |
+                                   (uint32_t(row[4 * r + 2]) << 16) | (uint32_t(row[4 * r + 3]) << 24);
+      },
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n0) {
+        // The unit's last Rows columns alone (N an odd number of tiles): its one tile twice, stored once.
+        const bool second_stored = n0 + Rows < N;
+        const int8_t* w_rows[2];
+        for (int i = 0; i < 2; ++i)
+          w_rows[i] = static_cast<const int8_t*>(b) + g * b_stride_e + (n0 + (second_stored ? i * Rows : 0)) * b_stride_n;
+        int64_t col[kColumnSteps];  // this lane's output column per step, and its scale and bias
+        bool stores[kColumnSteps];
+        float col_scale[kColumnSteps], bias_v[kColumnSteps];
+        #pragma unroll
+        for (int s = 0; s < kColumnSteps; ++s) {
+          const int c = w.lane + Lanes * s;
+          stores[s] = c < out_cols && (c < Rows || second_stored);
+          col[s] = n0 + (stores[s] ? c : 0);
+          col_scale[s] = b_scale[g * scale_stride_e + (col[s] / scale_block_n) * scale_stride_n];
+          bias_v[s] = bias != nullptr ? bias[g * bias_stride_e + col[s]] : 0.0f;
+        }
+        for (int64_t t = m_first; t < m_last; t += 2) {
+          const int pair = t + 1 < m_last ? 2 : 1;
+          const uint32_t* x = packed + (t - m_first) * (K / 4) * Toks;
+          if (pair == 2) matrix_k_loop<Tile, 2, int8_t, int32_t>(w.sg, w_rows, b_stride_n, x, K, stored);
+          else matrix_k_loop<Tile, 1, int8_t, int32_t>(w.sg, w_rows, b_stride_n, x, K, stored);
+          for (int j = 0; j < pair; ++j) {
+            const int32_t* tile = stored + j * 2 * Rows * Toks;  // [weight tile][weight row][token]
+            const int64_t m0 = row_begin + (t + j) * Toks;
+            const int64_t valid = matrix_tile_rows(rows, t + j, Toks);
+            for (int64_t m = 0; m < valid; ++m) {
+              const float row_scale = a_scale[source_row(gather_index, gather_is64, m0 + m, a_rows)];
+              const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
+              TOut* dst = out + target.row * out_row_stride;
+              #pragma unroll
+              for (int s = 0; s < kColumnSteps; ++s) {
+                if (!stores[s]) continue;
+                const int c = int(col[s] - n0);
+                const float v = float(tile[c * Toks + m]) * (row_scale * col_scale[s]) + bias_v[s];
+                dst[col[s]] = FromFloat<TOut>::convert(v * target.weight);
+              }
+            }
+          }
+        }
+      });
+}
+
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
@@ -449,3 +535,5 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
       int, const float*
 #define MOE_XPU_INSTANTIATE_QUANT(TA, FMT, TOut, TM, TN, GATED, LOOKUP) \
   template void moe_xpu::moe_gemm_quant<TA, FMT, TOut, TM, TN, GATED, LOOKUP>(MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut));
+#define MOE_XPU_INSTANTIATE_QUANT_MATRIX(TOut, ROWS, TOKS, KSTEP, LANES) \
+  template void moe_xpu::moe_gemm_quant_matrix<TOut, ROWS, TOKS, KSTEP, LANES>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut), void*);

@@ -1,0 +1,189 @@
+// Device code shared by the matrix-engine kernels (joint_matrix: AMX on Intel Xeon CPUs, XMX on
+// Intel GPUs): the engine tile, each worker's scratch area, token packing into the engine's
+// pair-interleaved form, the k loop over weight tiles and the zeroed tail. Used by the float
+// kernels (moe_gemm.cpp) and the W8A8 kernel (moe_gemm_quant.cpp); handed to the runtime
+// compiler as an include file.
+#pragma once
+
+#include "epilogue.hpp"
+#include "scheduler.hpp"
+
+namespace moe_xpu {
+
+namespace jm = sycl::ext::oneapi::experimental::matrix;
+using bf16 = sycl::ext::oneapi::bfloat16;
+// AMX's engine tile, which the N-contiguous matrix kernel is written for:
+constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
+constexpr int kMatToks = 16;  // tokens per engine tile
+constexpr int kMatK = 32;     // k per engine step (bf16)
+constexpr int kMatTokTiles = int(kUnitRows) / kMatToks;
+
+// The K-contiguous matrix kernel's engine tile: Rows weight rows (output columns) x Toks tokens,
+// KStep k per engine step, run by sub-groups of Lanes (one token per lane when packing). The
+// shapes the device's matrix engine takes: AMX 16 x 16 x 32 on 16 lanes; Xe-HPC, Xe2 and Xe3 XMX
+// 8 x 16 x 16 on 16 lanes; Xe-HPG XMX 8 x 8 x 16 on 8 lanes. Everything else is shared.
+template <int Rows, int Toks, int KStep, int Lanes>
+struct EngineTile {
+  static_assert(Toks == Lanes, "token packing puts one token on each lane");
+  static constexpr int rows = Rows, toks = Toks, k_step = KStep, lanes = Lanes;
+  static constexpr int tok_tiles = int(kUnitRows) / Toks;
+  static constexpr int64_t tile_bytes = int64_t(Rows) * Toks * 4;
+};
+
+// The N-contiguous matrix kernel's unit: up to kKnCols columns, so that for N <= kKnCols a chunk
+// of B rows is one contiguous block of memory, read as one sequential stream (the hardware
+// prefetchers follow it; units of 256 or 1024 columns read B rows in short pieces and measured
+// 1.7-2x slower on the bench's [E, K, N] cases), K walked one engine step (kKnChunk) at a time
+// (chunks of 64 measured 1.2-1.4x slower).
+constexpr int kKnCols = 4096;
+constexpr int kKnChunk = 32;
+constexpr int kKnTiles = kKnCols / kMatRows;
+
+// One worker's scratch area: the packed A of a row block (kUnitRows x K bf16); for the
+// N-contiguous kernel its packed B chunk and the partial sums of its unit; then the stored
+// accumulator tiles of the epilogue.
+inline int64_t matrix_a_bytes(int64_t K) { return int64_t(kUnitRows) * K * 2; }
+constexpr int64_t kTileBytes = kMatRows * kMatToks * 4;
+constexpr int64_t kKnPackedBytes = int64_t(kKnChunk) * kKnCols * 2;
+constexpr int64_t kKnPartialBytes = int64_t(kMatTokTiles) * kKnTiles * kTileBytes;
+inline int64_t matrix_scratch_bytes(int64_t K, bool kn) {
+  return matrix_a_bytes(K) + (kn ? kKnPackedBytes + kKnPartialBytes : 0) + 4 * kTileBytes;
+}
+// (Engine tiles smaller than AMX's fit the same area: the launcher sizes it with the formula
+// above for every K-contiguous matrix variant.)
+
+template <typename T>
+inline auto global_ptr(T* p) {
+  return sycl::address_space_cast<sycl::access::address_space::global_space,
+                                  sycl::access::decorated::no>(p);
+}
+
+// Real rows in token tile t (of `toks` tokens) of a group with `rows` rows.
+inline int64_t matrix_tile_rows(int64_t rows, int64_t t, int64_t toks = kMatToks) {
+  return rows - t * toks < toks ? rows - t * toks : toks;
+}
+
+// The token rows a matrix-kernel worker holds in its scratch, packed once per (group, row block):
+// a worker's consecutive units share them (see for_each_owned_unit).
+struct HeldRowBlock {
+  int64_t group = -1, block = -1;
+  // Unless already held, calls pack_tile(j, m0, valid) for token tile j of row block
+  // [m_first, m_last) of group g (rows from row_begin, `rows` in all): its first output row m0
+  // and its real rows.
+  template <typename PackTileFn>
+  void hold(int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last,
+            PackTileFn&& pack_tile, int64_t toks = kMatToks) {
+    if (g == group && m_first == block) return;
+    for (int64_t t = m_first; t < m_last; ++t)
+      pack_tile(t - m_first, row_begin + t * toks, matrix_tile_rows(rows, t, toks));
+    group = g;
+    block = m_first;
+  }
+};
+
+inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+inline uint32_t bf16_pair(float lo, float hi) {
+  return bf16_pair(FromFloat<uint16_t>::convert(lo), FromFloat<uint16_t>::convert(hi));
+}
+
+// The matrix engine's element type for B of type T (bf16 travels as uint16_t bits), and two A
+// values as one 32-bit word of it, low first (the engine's pair-interleaved form).
+template <typename T>
+using EngineElem = std::conditional_t<std::is_same_v<T, sycl::half>, sycl::half, bf16>;
+template <typename T, typename TA>
+inline uint32_t engine_pair(TA lo, TA hi) {
+  if constexpr (std::is_same_v<T, sycl::half>) {
+    return uint32_t(sycl::bit_cast<uint16_t>(sycl::half(to_float(lo)))) |
+           (uint32_t(sycl::bit_cast<uint16_t>(sycl::half(to_float(hi)))) << 16);
+  } else {
+    return bf16_pair(lo, hi);
+  }
+}
+
+// Packs row tile `tile` of a row block (rows m0 .. m0 + valid - 1 of A's gathered rows) as
+// packed[r][t] = (a[t][2r], a[t][2r + 1]): lane t handles token t (rows past valid repeat the
+// last one; their outputs are not stored).
+template <int Toks, typename T, typename TA>
+inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
+                             const void* gather_index, int gather_is64, int64_t m0, int64_t valid,
+                             int64_t K, int lane, uint32_t* packed) {
+  const int64_t m = m0 + (lane < valid ? lane : valid - 1);
+  const TA* row = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+  for (int64_t r = 0; r < K / 2; ++r)
+    packed[r * Toks + lane] = engine_pair<T>(row[2 * r], row[2 * r + 1]);
+}
+
+// The k loop of `Tiles` consecutive packed token tiles (x: the first; the next follows
+// K x Toks elements later) against the unit's two weight tiles; stores accumulator (token tile
+// j, weight tile i) to stored + (2 j + i) * Rows * Toks as [weight row][token]. E: the engine's
+// element type (bf16, fp16: two k a packed word, float sums; int8: four k a word, int32 sums).
+template <typename Tile, int Tiles, typename E, typename Acc = float>
+inline void matrix_k_loop(const sycl::sub_group& sg, const E* const (&w_rows)[2], int64_t b_stride_n,
+                          const uint32_t* x, int64_t K, Acc* stored) {
+  constexpr int R = Tile::rows, Tk = Tile::toks, KS = Tile::k_step;
+  constexpr int per_word = 4 / int(sizeof(E));
+  jm::joint_matrix<sycl::sub_group, Acc, jm::use::accumulator, R, Tk> acc[Tiles][2];
+  for (int j = 0; j < Tiles; ++j)
+    for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(sg, acc[j][i], Acc(0));
+  const E* xe = reinterpret_cast<const E*>(x);
+  for (int64_t k = 0; k < K; k += KS) {
+    jm::joint_matrix<sycl::sub_group, E, jm::use::b, KS, Tk, jm::layout::ext_intel_packed> xb[Tiles];
+    for (int j = 0; j < Tiles; ++j)
+      jm::joint_matrix_load(sg, xb[j], global_ptr(xe + (j * K + k) * Tk), per_word * Tk);
+    for (int i = 0; i < 2; ++i) {
+      jm::joint_matrix<sycl::sub_group, E, jm::use::a, R, KS, jm::layout::row_major> wa;
+      jm::joint_matrix_load(sg, wa, global_ptr(w_rows[i] + k), b_stride_n);
+      for (int j = 0; j < Tiles; ++j) jm::joint_matrix_mad(sg, acc[j][i], wa, xb[j], acc[j][i]);
+    }
+  }
+  for (int j = 0; j < Tiles; ++j)
+    for (int i = 0; i < 2; ++i)
+      jm::joint_matrix_store(sg, acc[j][i], global_ptr(stored + (2 * j + i) * R * Tk), Tk,
+                             jm::layout::row_major);
+}
+
+// Writes zeros to the tail group's rows [m_begin, min(m_end, m_begin + tiles * 16)) at output
+// columns [n0, n0 + cols) below N.
+template <typename TOut>
+inline void matrix_zero_rows(TOut* out, int64_t out_row_stride, int64_t out_rows,
+                             const void* scatter_index, int scatter_is64, const float* row_weight,
+                             int64_t m_begin, int64_t m_end, int64_t tiles, int64_t n0, int cols,
+                             int64_t N, int lane, int64_t toks = kMatToks, int lanes = kLanes) {
+  for (int64_t m = m_begin; m < m_end && m < m_begin + tiles * toks; ++m)
+    for (int64_t j = lane; j < cols; j += lanes)
+      if (n0 + j < N) {
+        const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m, out_rows);
+        out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(0.0f);
+      }
+}
+
+// The unit walk of the K-contiguous matrix kernels: each unit of this worker (one column tile of
+// out_cols columns of one group over up to kUnitRows rows, in token tiles of Toks) has its row
+// block packed into the worker's scratch (pack_tile(j, m0, valid); once for consecutive units of
+// the same rows), then runs compute(g, row_begin, rows, m_first, m_last, n0); the tail group's
+// rows are zeroed instead.
+template <typename Tile, typename TOut, typename PackTileFn, typename ComputeFn>
+inline void for_each_engine_unit(const Worker& w, const void* group_offsets, int offsets_is64,
+                                 int64_t num_groups, int64_t out_rows, int64_t N, int out_cols, UnitCost cost,
+                                 TOut* out, int64_t out_row_stride, const void* scatter_index, int scatter_is64,
+                                 const float* row_weight, PackTileFn&& pack_tile, ComputeFn&& compute) {
+  constexpr int Toks = Tile::toks;
+  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
+  HeldRowBlock held;  // what the scratch holds
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, Toks, Tile::tok_tiles, tiles_n, cost,
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * out_cols;
+        if (g == num_groups) {  // tail rows: zeros
+          matrix_zero_rows(out, out_row_stride, out_rows, scatter_index, scatter_is64, row_weight,
+                           row_begin + m_first * Toks, row_begin + rows, m_last - m_first, n0,
+                           out_cols, N, w.lane, Toks, Tile::lanes);
+          return;
+        }
+        held.hold(g, row_begin, rows, m_first, m_last, pack_tile, Toks);
+        compute(g, row_begin, rows, m_first, m_last, n0);
+      });
+}
+
+
+}  // namespace moe_xpu
