@@ -279,12 +279,33 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         _fail(f"x must be a 2-D float tensor [T, K], got {getattr(x, 'dtype', type(x).__name__)} "
               f"{tuple(getattr(x, 'shape', ()))}")
+    T, K = x.shape
+    if x.device.type != "cpu" or K == 0 or T * K <= _QUANTIZE_CHUNK:
+        return _quantize_rows(x)
+    # On the CPU, rows in chunks of about a megabyte of float32: the temporaries stay in cache and
+    # are reused, where whole-tensor temporaries are fresh allocations faulted in on every call
+    # (2048 x 2048 bf16: 2.5-2.7 ms in chunks, 3.6-14 ms whole by the allocator's state). Each row's
+    # result does not depend on the chunking: the same bits.
+    q = torch.empty(T, K, dtype=torch.int8)
+    scale = torch.empty(T, dtype=torch.float32)
+    rows = max(1, _QUANTIZE_CHUNK // K)
+    for start in range(0, T, rows):
+        q[start:start + rows], scale[start:start + rows] = _quantize_rows(x[start:start + rows])
+    return q, scale
+
+
+_QUANTIZE_CHUNK = 1 << 18  # elements of x per chunk (1 MB of float32)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token's arithmetic on rows of x: scale = max |x| / 127, round half to even."""
     xf = x.float()
     amax = xf.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)
     scale = amax / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xf / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    # In place on the float copy (float32 x is not copied, and must not be written).
+    scaled = xf / safe[:, None] if xf is x else xf.div_(safe[:, None])
+    return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def _float_weights(w: torch.Tensor) -> tuple[torch.Tensor, bool]:

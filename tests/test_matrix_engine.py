@@ -336,9 +336,9 @@ def test_w8a8_engine_strided_rows_and_workers_bitwise(C8):
         assert torch.equal(out, first)
 
 
-def test_w8a8_engine_is_chosen_for_prefill_not_decode(C8):
-    """The launcher puts W8A8 on the engine at several rows an expert (K and N in whole tiles) and
-    keeps the vector kernel for decode, for K off the engine's step and for [E, K, N] weights."""
+def test_w8a8_engine_is_chosen_where_its_tiles_fit(C8):
+    """The launcher puts W8A8 on the engine where K and N are whole tiles, decode included, and
+    keeps the vector kernel for K off the engine's step, N off its tile and [E, K, N] weights."""
     from moe_xpu import quant
 
     def plan(counts, K, N, layout="linear"):
@@ -351,7 +351,7 @@ def test_w8a8_engine_is_chosen_for_prefill_not_decode(C8):
         return plans[0]
 
     assert plan([16] * 4, 256, 64).kernel_name.startswith("moe_xpu::moe_gemm_quant_matrix<")
-    assert not plan([1] * 8, 256, 64).matrix_engine          # decode: a token tile would be padding
+    assert plan([1, 0, 2, 1] * 2, 256, 64).matrix_engine      # decode too
     assert not plan([16] * 4, 256 + 32, 64).matrix_engine    # K not a whole number of int8 steps
     assert not plan([16] * 4, 256, 64 + 8).matrix_engine     # N not whole tiles
     assert not plan([16] * 4, 256, 64, "kn").matrix_engine   # weights contiguous along N

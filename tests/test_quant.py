@@ -299,6 +299,24 @@ def test_quantize_per_token():
     assert (q.abs().amax(dim=1)[[0, 1, 3, 4, 5]] == 127).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_per_token_in_chunks_gives_the_same_bits(dtype):
+    """CPU inputs past one chunk are quantized a block of rows at a time: the result is the
+    whole-tensor computation's, bit for bit (a row count that leaves a short last chunk, zero rows),
+    and a float32 input is left as it was."""
+    K = 700
+    x = (torch.randn(quant._QUANTIZE_CHUNK // K * 3 + 5, K) * 4).to(dtype)
+    x[[0, 400, -1]] = 0
+    before = x.clone()
+    q, s = moe_xpu.quantize_per_token(x)
+    scale = x.float().abs().amax(dim=1) / 127.0  # the whole tensor at once
+    whole = torch.round(x.float() / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None])
+    assert torch.equal(x, before)
+    assert torch.equal(s, scale)
+    assert torch.equal(q, whole.clamp(-127, 127).to(torch.int8))
+    assert (q[[0, 400, -1]] == 0).all() and (s[[0, 400, -1]] == 0).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the argument, before any kernel runs
 # ---------------------------------------------------------------------------------------------
