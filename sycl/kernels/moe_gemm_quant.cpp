@@ -23,7 +23,8 @@
 // a multiple of 16, so a 16-k step of the sub-group reads one scale per column.
 //
 // W8A8 (int8 A with a float32 scale per row of A, int8 B): products summed in int32 per lane, the
-// lanes' sums converted to float and scaled by a_scale[row] * b_scale[n] before the cross-lane sum.
+// lanes' sums converted to float and scaled by a_scale[row] * b_scale[n] before the cross-lane sum;
+// on a matrix engine with int8 tiles, moe_gemm_quant_matrix (at the end of this file) instead.
 // Weight-only formats (float, half or bf16 A): each B value is dequantized to float and the
 // products summed in float, in ascending k per lane: the naive float computation on the
 // dequantized weights, with the same rounding behaviour; int8 B (one scale per output channel)
