@@ -215,7 +215,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dtype"), py::arg("out_dtype"));
   m.def("gpu_targets", &moe_xpu::gpu_targets);
   // For tests of the GPU path without a GPU: which engine tiles a list of reported matrix
-  // combinations (tuples max_m, max_n, max_k, m, n, k, atype, btype, ctype) turns on.
+  // combinations (tuples max_m, max_n, max_k, m, n, k, atype, btype, ctype) turns on, as tuples
+  // (m, n, k, sub-group size, fp16, int8).
   m.def("shapes_from_combinations", [](const std::vector<std::tuple<std::size_t, std::size_t, std::size_t, std::size_t,
                                                                     std::size_t, std::size_t, std::string, std::string,
                                                                     std::string>>& combos,
@@ -225,7 +226,7 @@ PYBIND11_MODULE(_C, m) {
           list.push_back(moe_xpu::MatrixCombination{mm, mn, mk, m_, n_, k_, a, b_, c});
         py::list out;
         for (const auto& s : moe_xpu::shapes_from_combinations(list, moe_xpu::engine_tiles(), sub_group_sizes))
-          out.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size, s.fp16));
+          out.append(py::make_tuple(s.m, s.n, s.k, s.sub_group_size, s.fp16, s.int8));
         return out;
       }, py::arg("combinations"), py::arg("sub_group_sizes"));
   m.def("gpu_description", [](const std::string& target) { return description_dict(moe_xpu::gpu_description(target)); },

@@ -70,7 +70,7 @@ std::vector<MatrixShape> shapes_from_combinations(const std::vector<MatrixCombin
     }
     if (lanes && bf16) {
       s.fp16 = fp16;
-      s.int8 = int8;
+      s.int8 = s.int8 && int8;  // the candidate says whether the W8A8 kernel is built at this tile
       shapes.push_back(s);
     }
   }

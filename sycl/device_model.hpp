@@ -49,8 +49,8 @@ struct MatrixCombination {
 };
 // Which of the kernels' engine tiles (`candidates`) the combinations allow with bf16 inputs and
 // float accumulators; fp16 is set where fp16 inputs are allowed at the same shape too, int8 where
-// signed int8 inputs with int32 accumulators are allowed at twice its k. A tile also needs its
-// sub-group size among the device's.
+// the candidate has it and signed int8 inputs with int32 accumulators are allowed at twice its k.
+// A tile also needs its sub-group size among the device's.
 std::vector<MatrixShape> shapes_from_combinations(const std::vector<MatrixCombination>& combinations,
                                                   const std::vector<MatrixShape>& candidates,
                                                   const std::vector<std::size_t>& sub_group_sizes);

@@ -126,8 +126,9 @@ const CpuTileTable& cpu_tile_table(const DeviceDescription& d) {
 }
 
 // The matrix-engine tiles the K-contiguous matrix kernel is instantiated for, in order of
-// preference: AMX, then XMX on 16 lanes (Xe-HPC, Xe2, Xe3), then XMX on 8 lanes (Xe-HPG).
-constexpr MatrixShape kEngineTiles[] = {{16, 16, 32, 16, false}, {8, 16, 16, 16, true}, {8, 8, 16, 8, true}};
+// preference: AMX, then XMX on 16 lanes (Xe-HPC, Xe2, Xe3), then XMX on 8 lanes (Xe-HPG); int8:
+// whether the W8A8 kernel is built at the tile's int8 shape (not on 8 lanes: see device_model.cpp).
+constexpr MatrixShape kEngineTiles[] = {{16, 16, 32, 16, false, true}, {8, 16, 16, 16, true, true}, {8, 8, 16, 8, true, false}};
 
 // AMX's tile, for which the N-contiguous matrix kernel is written.
 bool has_amx_tile(const DeviceDescription& d) { return d.has_matrix_shape(16, 16, 32); }

@@ -205,18 +205,21 @@ def test_gpu_xmx_variants_run_correctly_on_amx(C, target, gated):
 
 def test_xmx_tiles_follow_the_reported_matrix_combinations(C):
     """On a real GPU the launcher turns XMX on from what the device reports
-    (sycl_ext_oneapi_matrix combinations: exact sizes, or 0 and a maximum)."""
+    (sycl_ext_oneapi_matrix combinations: exact sizes, or 0 and a maximum); W8A8's int8 tile where
+    signed int8 with int32 sums is reported at twice the bf16 k, on the 16-lane tile only."""
     def combo(max_m, n, k, t, acc="fp32"):
         return (max_m, 0, 0, 0, n, k, t, t, acc)
 
     pvc = [combo(8, 16, 16, "bf16"), combo(8, 16, 16, "fp16"), combo(8, 16, 32, "sint8", "sint32")]
-    assert C.shapes_from_combinations(pvc, [16, 32]) == [(8, 16, 16, 16, True)]
-    dg2 = [combo(8, 8, 16, "bf16"), combo(8, 8, 16, "fp16")]
-    assert C.shapes_from_combinations(dg2, [8, 16, 32]) == [(8, 8, 16, 8, True)]
+    assert C.shapes_from_combinations(pvc, [16, 32]) == [(8, 16, 16, 16, True, True)]
+    assert C.shapes_from_combinations(pvc[:2], [16, 32]) == [(8, 16, 16, 16, True, False)]  # no int8
+    assert C.shapes_from_combinations(pvc[:2] + [combo(8, 16, 32, "sint8", "fp32")], [16]) == [(8, 16, 16, 16, True, False)]
+    dg2 = [combo(8, 8, 16, "bf16"), combo(8, 8, 16, "fp16"), combo(8, 8, 32, "sint8", "sint32")]
+    assert C.shapes_from_combinations(dg2, [8, 16, 32]) == [(8, 8, 16, 8, True, False)]  # W8A8 not built on 8 lanes
     assert C.shapes_from_combinations(dg2, [16, 32]) == []  # no 8-lane sub-groups: no tile
-    assert C.shapes_from_combinations([combo(8, 16, 16, "bf16")], [16]) == [(8, 16, 16, 16, False)]
+    assert C.shapes_from_combinations([combo(8, 16, 16, "bf16")], [16]) == [(8, 16, 16, 16, False, False)]
     assert C.shapes_from_combinations([combo(4, 16, 16, "bf16")], [16]) == []  # 8 rows not allowed
     assert C.shapes_from_combinations([combo(8, 16, 16, "bf16", "bf16")], [16]) == []  # no float acc
-    amx = [(0, 0, 0, 16, 16, 32, "bf16", "bf16", "fp32")]
-    assert C.shapes_from_combinations(amx, [16]) == [(16, 16, 32, 16, False)]
+    amx = [(0, 0, 0, 16, 16, 32, "bf16", "bf16", "fp32"), (0, 0, 0, 16, 16, 64, "sint8", "sint8", "sint32")]
+    assert C.shapes_from_combinations(amx, [16]) == [(16, 16, 32, 16, False, True)]
     assert C.shapes_from_combinations([], [8, 16, 32]) == []
