@@ -249,13 +249,13 @@ def test_engine_stays_off_when_the_opencl_runtime_loaded_first(C):
 # W8A8 on the engine's int8 tile (moe_gemm_quant_matrix: AMX-INT8 here; XMX int8 on GPUs)
 # ---------------------------------------------------------------------------------------------
 
-def _w8a8_inputs(counts, K, N, rows, gathered, with_bias, index_dtype=torch.int64):
+def _w8a8_inputs(counts, K, N, rows, gathered, with_bias):
     E, M = len(counts), sum(counts)
     b = torch.randint(-127, 128, (E, N, K), dtype=torch.int8).transpose(1, 2)  # K contiguous
     b_scale = torch.rand(E, N) * 0.01
     a = torch.randint(-127, 128, (rows, K), dtype=torch.int8)
     a_scale = torch.rand(rows) * 0.1
-    gather = torch.randint(0, rows, (M,), dtype=index_dtype) if gathered else None
+    gather = torch.randint(0, rows, (M,)) if gathered else None
     bias = torch.randn(E, N) if with_bias else None
     return a, a_scale, b, b_scale, gather, bias
 
