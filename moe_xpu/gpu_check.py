@@ -291,8 +291,11 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
             for name in names:
                 if name not in built:
                     failures.append(f"{target} {label}: {name} is missing from the compiled module")
-            if description["matrix_shapes"] and dtype in ("bfloat16", "float16") and not any("moe_gemm_matrix" in n for n in names):
-                failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
+            if description["matrix_shapes"] and dtype in ("bfloat16", "float16"):
+                if not any(n.startswith("moe_xpu::moe_gemm_matrix<") for n in names):
+                    failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
+                if not any(n.startswith("moe_xpu::moe_gemm_matrix_wgrad<") for n in names):
+                    failures.append(f"{target} {label}: the target has XMX but no matrix-engine weight gradient was chosen")
             if description["int8_matrix"] and dtype == "int8" and not any("moe_gemm_quant_matrix" in n for n in names):
                 failures.append(f"{target} {label}: the target has int8 XMX tiles but no W8A8 matrix-engine variant was chosen")
             for name, b in sorted(built.items()):

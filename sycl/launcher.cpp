@@ -545,6 +545,18 @@ const BuiltKernel& planned_kernel(sycl::queue& q, const DeviceDescription& d, DT
 
 namespace {
 
+// A matrix-engine plan on the CPU device needs the AMX feature behind its dtype (a GPU's variants
+// run here in tests only where AMX can run them).
+void refuse_engine_the_cpu_lacks(sycl::queue& q, const LaunchPlan& plan, DType dtype) {
+  const bool amx_runs = cpu_amx_usable() && (dtype == DType::float16 ? cpu_has_amx_fp16()
+                                             : dtype == DType::int8  ? cpu_has_amx_int8()
+                                                                     : true);
+  if (plan.matrix_engine && q.get_device().is_cpu() && !amx_runs)
+    throw std::runtime_error("moe_xpu: " + plan.kernel_name + " needs AMX" +
+                             (dtype == DType::float16 ? "-FP16" : dtype == DType::int8 ? "-INT8" : "") +
+                             ", which this CPU device cannot run (matrix-engine variants of a GPU are only compiled here)");
+}
+
 // What a launch's metadata settles on the host: the queue it is submitted to, the plan and the
 // built kernel. Kept by PreparedGemm, so a repeated launch skips the lookups.
 struct ResolvedLaunch {
@@ -565,13 +577,7 @@ ResolvedLaunch resolve(const GemmArgs& args) {
   r.on_calling_thread = inline_queue != nullptr;
   r.queue = r.on_calling_thread ? inline_queue : &device_queue;
   r.built = &planned_kernel(*r.queue, d, args.dtype, args.out_dtype, r.plan);
-  const bool amx_runs = cpu_amx_usable() && (args.dtype == DType::float16 ? cpu_has_amx_fp16()
-                                              : args.dtype == DType::int8  ? cpu_has_amx_int8()
-                                                                           : true);
-  if (r.plan.matrix_engine && r.queue->get_device().is_cpu() && !amx_runs)
-    throw std::runtime_error("moe_xpu: " + r.plan.kernel_name + " needs AMX" +
-                             (args.dtype == DType::float16 ? "-FP16" : args.dtype == DType::int8 ? "-INT8" : "") +
-                             ", which this CPU device cannot run (matrix-engine variants of a GPU are only compiled here)");
+  refuse_engine_the_cpu_lacks(*r.queue, r.plan, args.dtype);
   return r;
 }
 
@@ -676,9 +682,16 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   const DeviceDescription& d = description_for(q, args.variants_for);
   const LaunchPlan plan = plan_wgrad_for(args, d);
   const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
+  refuse_engine_the_cpu_lacks(q, plan, args.dtype);
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size;
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
+  std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
+  if (plan.matrix_engine) scratch_lock.lock();
+  // (The kernel walks dY's rows in either orientation below.)
+  void* scratch = plan.matrix_engine
+                      ? scratch_for(q, std::size_t(plan.num_workers * wgrad_matrix_scratch_bytes(args.dy_rows)))
+                      : nullptr;
   // The kernel's lanes store along its N: a dB contiguous along K is computed as dB^T = dY^T A
   // (operands, sizes and strides swapped; the index table then applies to its second operand).
   const bool transposed = args.out_stride_n != 1 && args.out_stride_k == 1;
@@ -692,8 +705,10 @@ void moe_gemm_wgrad(const WgradArgs& args) {
       h.set_args(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.dy),
                  x.dy_row_stride, x.dy_rows, ptr(x.group_offsets), int(x.offsets_are_int64), x.num_groups, x.K, x.N,
                  ptr(x.out), x.out_stride_e, x.out_stride_k, x.out_stride_n, 0);
+    if (plan.matrix_engine) h.set_arg(18, scratch);
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
+  if (scratch_lock.owns_lock()) scratch_lock.unlock();
   if (args.queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
 }
 

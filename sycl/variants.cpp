@@ -206,6 +206,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_kn: return {TileShape{16, 2}};
     case Family::quant_matrix: return {TileShape{engine_tile(d).n, 2}};
+    case Family::matrix_wgrad: return {TileShape{2 * engine_tile(d).m, 2}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -273,7 +274,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::wgrad:
     case Family::quant:
     case Family::quant_gated:
-    case Family::quant_matrix: return 0;
+    case Family::quant_matrix:
+    case Family::matrix_wgrad: return 0;
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -293,6 +295,12 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(a) << ", " << format_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", "
          << s.tile_n << ", " << (f == Family::quant_gated ? "true" : "false") << ", "
          << (nibble_lookup(d) ? "true" : "false");
+    return args.str();
+  }
+  if (f == Family::matrix_wgrad) {
+    const MatrixShape e = engine_tile(d);
+    args << type_name(t) << ", " << type_name(out) << ", " << e.m << ", " << e.n << ", " << e.k << ", "
+         << e.sub_group_size;
     return args.str();
   }
   if (f == Family::quant_matrix) {  // the engine's int8 tile: twice its bf16 k
@@ -327,6 +335,7 @@ std::string kernel_base(Family f) {
     case Family::quant:
     case Family::quant_gated: return "quant";
     case Family::quant_matrix: return "quant_matrix";
+    case Family::matrix_wgrad: return "matrix_wgrad";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -346,7 +355,8 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 // as one broadcast scalar per row and k step; float A measured no faster there.)
 // The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
 bool has_float_a_variant(Family f, DType t) {
-  return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad;
+  return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
+         f != Family::matrix_wgrad;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -387,6 +397,14 @@ std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
   return kUnitRows * K * 2 + (kn ? kn_packed + kn_partial : 0) + 4 * tile;
 }
 
+// Bytes of one worker's scratch area in the matrix weight-gradient kernel (wgrad_matrix_scratch_bytes
+// in moe_gemm_wgrad.cpp).
+constexpr std::int64_t kWgradRowStep = 32, kWgradPackedBudget = 512 * 1024;  // must match moe_gemm_wgrad.cpp
+std::int64_t wgrad_matrix_scratch_bytes(std::int64_t rows) {
+  const std::int64_t padded = (rows + kWgradRowStep - 1) / kWgradRowStep * kWgradRowStep;
+  return 32 * padded * 2 + std::max(padded * 64, kWgradPackedBudget) + 8 * 16 * 16 * 4;
+}
+
 std::vector<MatrixShape> engine_tiles() { return {std::begin(kEngineTiles), std::end(kEngineTiles)}; }
 
 MatrixShape engine_tile(const DeviceDescription& d) {
@@ -404,7 +422,8 @@ bool engine_takes(const DeviceDescription& d, DType t) {
 bool has_matrix_engine(const DeviceDescription& d) { return engine_tile(d).m != 0; }
 
 int sub_group_size(const Variant& v, const DeviceDescription& d) {
-  const bool engine = v.family == Family::matrix || v.family == Family::matrix_gated || v.family == Family::quant_matrix;
+  const bool engine = v.family == Family::matrix || v.family == Family::matrix_gated ||
+                      v.family == Family::quant_matrix || v.family == Family::matrix_wgrad;
   return engine ? engine_tile(d).sub_group_size : int(kSubGroupSize);
 }
 
@@ -435,7 +454,7 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
     return variants;
   }
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
-  if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated});
+  if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_wgrad});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
   std::vector<Variant> variants;
   for (Family f : families)
@@ -610,20 +629,39 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
 }
 
 LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
-  const TileShape shape = family_tiles(Family::wgrad, d, args.dtype)[0];
+  // The matrix engine for 16-bit operands it takes, where dB is at least two engine tiles each way
+  // (not the bias gradient's single column of ones) and the groups average more than 4 rows. With
+  // fewer, dB's stores are the time and the vector kernel stores from registers, the engine through
+  // its tiles in scratch (AMX, dB of bf16 [E, K, N], warm, the bench's cases: 16 rows a group
+  // 110 -> 55-64 ms, 8 rows 47 -> 35 ms, 128 rows 370 -> 76 ms; 4 rows 19 vs 20 ms, 0.25 rows 56 vs
+  // 58 ms).
+  const double rows_per_group = args.num_groups > 0 ? double(args.dy_rows) / double(args.num_groups) : 0.0;
+  const bool matrix_shape = engine_takes(d, args.dtype) && args.dtype != DType::int8 &&
+                            args.K >= 2 * engine_tile(d).m && args.N >= 2 * engine_tile(d).n;
+  if (args.engine == 2 && !matrix_shape)
+    throw std::invalid_argument(
+        "moe_xpu: the matrix-engine weight gradient needs a device with one, operands of a dtype it takes "
+        "(bf16; fp16 where the engine takes it) and K, N of at least two engine tiles");
+  const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape && rows_per_group > 4.0);
+  const Family family = use_matrix ? Family::matrix_wgrad : Family::wgrad;
+  const TileShape shape = family_tiles(family, d, args.dtype)[0];
+  const std::int64_t lanes = use_matrix ? engine_tile(d).sub_group_size : kSubGroupSize;
   LaunchPlan plan;
-  plan.kernel_name = family_kernel_name(Family::wgrad, args.dtype, args.dtype, args.out_dtype, shape, d);
+  plan.kernel_name = family_kernel_name(family, args.dtype, args.dtype, args.out_dtype, shape, d);
+  plan.matrix_engine = use_matrix;
   plan.tile_m = shape.tile_m;
-  plan.tile_n = shape.tile_n * int(kSubGroupSize);
-  plan.sub_group_size = int(kSubGroupSize);
+  plan.tile_n = shape.tile_n * int(use_matrix ? engine_tile(d).n : kSubGroupSize);
+  plan.sub_group_size = int(lanes);
   // As the forward kernels: one sub-group per work-group and 16 workers per core on the CPU,
-  // 4 sub-groups per work-group and 32 workers per compute unit on GPUs.
+  // 4 sub-groups per work-group and 32 workers per compute unit on GPUs (8 with the matrix
+  // engine, each with its scratch area).
   const std::int64_t subgroups_per_wg = d.is_cpu ? 1 : 4;
   const std::int64_t units = args.num_groups * ((args.K + plan.tile_m - 1) / plan.tile_m) *
                              ((args.N + plan.tile_n - 1) / plan.tile_n);
   const double flops = 2.0 * double(args.dy_rows) * double(args.K) * double(args.N);
-  plan.num_workers = worker_count(d, d.is_cpu ? 16 : 32, flops, args.num_workers, units, subgroups_per_wg);
-  plan.work_group_size = subgroups_per_wg * kSubGroupSize;
+  const std::int64_t per_cu = d.is_cpu ? 16 : use_matrix ? 8 : 32;
+  plan.num_workers = worker_count(d, per_cu, flops, args.num_workers, units, subgroups_per_wg);
+  plan.work_group_size = subgroups_per_wg * lanes;
   return plan;
 }
 

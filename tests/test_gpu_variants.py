@@ -55,9 +55,10 @@ def test_gpu_choice(C, target):
         assert vector and all(n.endswith(", 0>") for n in vector), names  # KChunk = 0 everywhere
         assert any("wgrad" in n for n in names), "the weight-gradient kernel is compiled for the GPU too"
         matrix = [n for n in names if "matrix" in n]
-        if target in XMX:  # float and 16-bit A, plain and gated, at the target's engine tile
+        if target in XMX:  # float and 16-bit A, plain and gated, and the weight gradient, at the target's engine tile
             tile = ", ".join(map(str, XMX[target]))
-            assert len(matrix) == 4 and all(n.endswith(f", {tile}>") for n in matrix), matrix
+            assert len(matrix) == 5 and all(n.endswith(f", {tile}>") for n in matrix), matrix
+            assert sum(n.startswith("moe_xpu::moe_gemm_matrix_wgrad<") for n in matrix) == 1, matrix
             assert not any("matrix_kn" in n for n in names)  # [E, K, N] stays on the vector kernels
         else:
             assert not matrix

@@ -361,3 +361,137 @@ def test_w8a8_engine_refused_off_its_shapes(C8):
     a, a_scale, b, b_scale, _, _ = _w8a8_inputs([8, 8], 96, 32, 16, False, False)
     with pytest.raises(ValueError, match="int8 tiles"):
         _run_w8a8(C8, a, a_scale, b, b_scale, [8, 8], None, None, torch.float32, MATRIX)
+
+
+# The weight gradient on the matrix engine: dB[g] = A[rows of g]^T dY[rows of g], both operands
+# rearranged into the worker's scratch (A^T tiles, dY pair-interleaved, rows padded to 32), AMX's
+# tile and the XMX tiles of pvc and dg2 run here, against float64.
+
+WGRAD_TILES = {"amx": "", "pvc": "pvc", "dg2": "dg2"}
+
+
+def _wgrad_inputs(counts, K, N, gathered, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(counts)
+    a_rows = rows + 7 if gathered else rows
+    a = torch.randn(a_rows, K, generator=g).bfloat16()
+    dy = torch.randn(rows, N, generator=g).bfloat16()
+    gather = torch.randint(0, a_rows, (rows,), generator=g, dtype=torch.int32) if gathered else None
+    return a, dy, offsets(counts, torch.int64), gather
+
+
+def _run_wgrad(C, a, dy, offs, gather, layout, engine, workers=0, variants_for="", out_dtype=torch.bfloat16,
+               out=None):
+    from test_moe_gemm_backward import _wgrad_args
+
+    E, K, N = offs.shape[0], a.shape[1], dy.shape[1]
+    if out is None:
+        out = (torch.full((E, K, N), float("nan"), dtype=out_dtype) if layout == "kn"
+               else torch.full((E, N, K), float("nan"), dtype=out_dtype).transpose(1, 2))
+    w = _wgrad_args(C, a, dy, offs, gather, out)
+    w.out_dtype = ops._launcher_dtype(out.dtype)
+    w.engine, w.num_workers, w.variants_for = engine, workers, variants_for
+    assert C.plan_wgrad(w).matrix_engine == (engine == MATRIX)
+    C.moe_gemm_wgrad(w)
+    return out
+
+
+def _assert_wgrad_close(out, a, dy, offs, gather):
+    from reference import moe_gemm_grad_reference
+
+    E, K, N = offs.shape[0], a.shape[1], dy.shape[1]
+    _, want, _ = moe_gemm_grad_reference(a, torch.zeros(E, K, N), offs, dy, gather)
+    scale = max(1.0, want.abs().max().item())
+    # bf16 products are exact in float32: float32 output is the float32 sum (within its rounding),
+    # bf16 output that sum rounded once more.
+    tol = (4e-3 if out.dtype == torch.bfloat16 else 1e-5) * scale
+    err = (out.double() - want).abs().max().item()
+    assert err <= tol, f"max error {err:.3g} exceeds {tol:.3g}"
+
+
+@pytest.mark.parametrize("tile", list(WGRAD_TILES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("counts,K,N", [
+    ([5, 0, 17, 3, 9], 37, 45),         # odd K and N: last tiles cut in both
+    ([0, 200, 0, 3, 1], 64, 64),        # one group of 200 rows (7 row steps), empty groups
+    ([33, 1, 0, 0], 96, 130),           # 33 rows: a second row step with one real row
+    ([0, 0, 0], 32, 32),                # zero rows: every group stores zeros
+    ([2, 0, 40, 0, 0, 6, 1, 9], 130, 33),
+])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_matrix_wgrad_matches_reference(C, tile, layout, counts, K, N, gathered):
+    a, dy, offs, gather = _wgrad_inputs(counts, K, N, gathered)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = _run_wgrad(C, a, dy, offs, gather, layout, MATRIX, variants_for=WGRAD_TILES[tile], out_dtype=out_dtype)
+        _assert_wgrad_close(out, a, dy, offs, gather)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matrix_wgrad_splits_tall_groups_into_column_blocks(C, layout):
+    """A group whose packed operand exceeds a worker's block budget (2000 rows x 300 columns, either
+    way round) is walked in several column blocks; every worker count gives the same bits."""
+    a, dy, offs, gather = _wgrad_inputs([3, 2000, 0, 40], 300, 300, True, seed=1)
+    first = None
+    for workers in [0, 1, 3, 7, 100]:
+        out = _run_wgrad(C, a, dy, offs, gather, layout, MATRIX, workers=workers)
+        _assert_wgrad_close(out, a, dy, offs, gather)
+        first = out if first is None else first
+        assert torch.equal(out, first), "worker count must not change the result"
+
+
+def test_matrix_wgrad_strided_operands_and_output(C):
+    """A and dY with row strides wider than their rows; dB a view with padded rows (not dense), so
+    empty groups store their zeros element by element; the untouched padding stays as it was."""
+    counts, K, N = [9, 0, 30], 48, 40
+    a_full = torch.randn(sum(counts), K + 8).bfloat16()
+    dy_full = torch.randn(sum(counts), N + 3).bfloat16()
+    a, dy = a_full[:, :K], dy_full[:, :N]
+    offs = offsets(counts, torch.int64)
+    store = torch.full((3, K, N + 5), 7.0).bfloat16()
+    out = _run_wgrad(C, a, dy, offs, None, "kn", MATRIX, out=store[:, :, :N])
+    _assert_wgrad_close(out, a, dy, offs, None)
+    assert torch.all(store[:, :, N:] == 7.0)
+    store_t = torch.full((3, N, K + 4), 7.0).bfloat16()
+    out = _run_wgrad(C, a, dy, offs, None, "linear", MATRIX, out=store_t[:, :, :K].transpose(1, 2))
+    _assert_wgrad_close(out, a, dy, offs, None)
+    assert torch.all(store_t[:, :, K:] == 7.0)
+
+
+def test_matrix_wgrad_is_chosen_for_groups_of_several_rows(C):
+    """bf16 weight gradients run on the engine when groups average more than 4 rows and dB is two
+    engine tiles each way; float32 ones, few rows a group, and the bias gradient's single column
+    stay on the vector kernel; forcing the engine where it cannot run is refused."""
+    from test_moe_gemm_backward import _wgrad_args
+
+    def plan(counts, K, N, dtype=torch.bfloat16, engine=0):
+        a, dy, offs, _ = _wgrad_inputs(counts, K, N, False)
+        out = torch.empty(len(counts), K, N, dtype=dtype)
+        w = _wgrad_args(C, a.to(dtype), dy.to(dtype), offs, None, out)
+        w.engine = engine
+        return C.plan_wgrad(w)
+
+    assert plan([16] * 4, 64, 64).kernel_name.startswith("moe_xpu::moe_gemm_matrix_wgrad<")
+    assert not plan([4] * 4, 64, 64).matrix_engine                     # 4 rows a group
+    assert not plan([16] * 4, 64, 64, torch.float32).matrix_engine     # no float32 tile
+    assert not plan([16] * 4, 1, 64).matrix_engine                     # a bias gradient
+    with pytest.raises(ValueError, match="matrix-engine weight gradient"):
+        plan([16] * 4, 64, 64, torch.float32, engine=MATRIX)
+    with pytest.raises(ValueError, match="matrix-engine weight gradient"):
+        plan([16] * 4, 16, 64, engine=MATRIX)
+
+
+def test_matrix_wgrad_through_autograd(C):
+    """moe_gemm's backward on bf16 nn.Linear weights with 20 rows an expert takes the engine's
+    weight gradient, bitwise the same on a second run."""
+    T, E, K, N = 100, 5, 64, 96
+    a = torch.randn(T, K).bfloat16()
+    w = torch.randn(E, N, K).bfloat16().requires_grad_()
+    offs = offsets([20] * E)
+    grad_out = torch.randn(T, N).bfloat16()
+    grads = []
+    for _ in range(2):
+        w.grad = None
+        moe_xpu.moe_gemm(a, w.transpose(1, 2), offs).backward(grad_out)
+        grads.append(w.grad.clone())
+    _assert_wgrad_close(grads[0].transpose(1, 2), a, grad_out, offs.to(torch.int64), None)
+    assert torch.equal(grads[0], grads[1])
