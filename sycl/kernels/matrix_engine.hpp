@@ -49,6 +49,20 @@ constexpr int64_t kKnPartialBytes = int64_t(kMatTokTiles) * kKnTiles * kTileByte
 inline int64_t matrix_scratch_bytes(int64_t K, bool kn) {
   return matrix_a_bytes(K) + (kn ? kKnPackedBytes + kKnPartialBytes : 0) + 4 * kTileBytes;
 }
+
+// The four zero tiles after a kernel's four stored accumulator tiles (tile_elems elements each),
+// zeroed by the worker's lanes. Accumulators start from a load of one of them each: on AMX
+// joint_matrix_fill (like loads of one tile, which the compiler merges) becomes one zeroed tile
+// copied to the others through a tile store and a reload of the same address, which waits for
+// the store to complete. (The weight gradient zeroes its accumulators once per 32 x 32 block of
+// dB; the forward kernels once per k loop over all of K, where loading zero tiles measured no
+// difference within this VM's noise.)
+template <typename Acc>
+inline const Acc* zeroed_tiles(Acc* stored, int64_t tile_elems, int lane, int lanes) {
+  Acc* zeros = stored + 4 * tile_elems;
+  for (int64_t e = lane; e < 4 * tile_elems; e += lanes) zeros[e] = Acc(0);
+  return zeros;
+}
 // (Engine tiles smaller than AMX's fit the same area: the launcher sizes it with the formula
 // above for every K-contiguous matrix variant.)
 

@@ -196,8 +196,7 @@ void moe_gemm_matrix_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, con
   const int64_t packed_bytes = cap * 64 > kWgradPackedBudget ? cap * 64 : kWgradPackedBudget;
   uint32_t* yp = reinterpret_cast<uint32_t*>(mine + 32 * cap * 2);  // [block cols / Toks][padded / 2][Toks]
   float* stored = reinterpret_cast<float*>(mine + 32 * cap * 2 + packed_bytes);  // [2][2][Rows][Toks]
-  float* zeros = stored + 4 * Rows * Toks;                                        // [2][2][Rows][Toks]
-  for (int e = w.lane; e < 4 * Rows * Toks; e += Lanes) zeros[e] = 0.0f;
+  const float* zeros = zeroed_tiles(stored, Rows * Toks, w.lane, Lanes);
   const int64_t tiles_k = (K + KB - 1) / KB;
   const int64_t pairs_n = (N + PairCols - 1) / PairCols;
   // A group's units and what each costs: engine steps over its padded rows per column-tile pair,
@@ -296,9 +295,6 @@ void moe_gemm_matrix_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, con
         }
       }
       for (int64_t p = 0; p < cols; p += PairCols) {
-        // Zeroed accumulators loaded from zero tiles, one each: on AMX joint_matrix_fill (and loads
-        // of one tile the compiler finds equal) become one zeroed tile copied to the others through
-        // a store and a reload, which stalls on the store (tile stores are not forwarded).
         jm::joint_matrix<sycl::sub_group, float, jm::use::accumulator, Rows, Toks> acc[2][2];
         for (int i = 0; i < 2; ++i)
           for (int j = 0; j < 2; ++j)
