@@ -50,8 +50,8 @@ def info(warm_up: bool = False) -> None:
         print(f"  max work-group {d.max_work_group_size}")
         print(f"  local memory   {d.local_mem_size} bytes")
         target = os.environ.get("CL_CONFIG_CPU_TARGET_ARCH", "default")
-        engine = ("AMX via joint_matrix (bf16 forward and weight gradient" +
-                  (", int8 W8A8" if d.matrix_engine_int8 else "") + ")"
+        engine = ("AMX via joint_matrix (bf16 forward and weight gradient, weight-only formats "
+                  "dequantized to bf16" + (", int8 W8A8" if d.matrix_engine_int8 else "") + ")"
                   if d.matrix_engine else "none (vector kernels only)")
         print(f"  matrix engine  {engine}; OpenCL CPU target {target}")
         t = C.device_description(0)

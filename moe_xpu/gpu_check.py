@@ -296,8 +296,11 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
                     failures.append(f"{target} {label}: the target has XMX but no matrix-engine variant was chosen")
                 if not any(n.startswith("moe_xpu::moe_gemm_matrix_wgrad<") for n in names):
                     failures.append(f"{target} {label}: the target has XMX but no matrix-engine weight gradient was chosen")
-            if description["int8_matrix"] and dtype == "int8" and not any("moe_gemm_quant_matrix" in n for n in names):
+            if description["int8_matrix"] and dtype == "int8" and not any("moe_gemm_quant_matrix<" in n for n in names):
                 failures.append(f"{target} {label}: the target has int8 XMX tiles but no W8A8 matrix-engine variant was chosen")
+            xmx_16_lanes = any(shape[3] == 16 for shape in description["matrix_shapes"])
+            if xmx_16_lanes and (dtype, out_dtype) in QUANT_PAIRS and not any("moe_gemm_dequant_matrix<" in n for n in names):
+                failures.append(f"{target} {label}: the target has XMX on 16 lanes but no dequantizing matrix-engine variant was chosen")
             for name, b in sorted(built.items()):
                 b.name = name
                 problems = []
@@ -309,7 +312,7 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
                     problems.append(f"spills {b.spill} bytes")
                 if b.slm > limit:
                     problems.append(f"SLM {b.slm} > {limit} bytes a work-group gets")
-                if re.search(r"moe_gemm_(quant_)?matrix", name) and b.dpas == 0:
+                if re.search(r"moe_gemm_(quant_|dequant_)?matrix", name) and b.dpas == 0:
                     problems.append("matrix-engine variant without DPAS")
                 rows.append(Row(target, label, b, problems))
                 failures.extend(f"{target} {label}: {name}: {p}" for p in problems)

@@ -418,6 +418,7 @@ std::string kernel_source_text(const char* variable, const char* embedded) {
 syclex::include_files kernel_headers() {
   syclex::include_files headers;
   headers.add("common.hpp", kKernelCommonHeader);
+  headers.add("sizes.hpp", kKernelSizesHeader);
   headers.add("scheduler.hpp", kKernelSchedulerHeader);
   headers.add("epilogue.hpp", kKernelEpilogueHeader);
   headers.add("matrix_engine.hpp", kKernelMatrixEngineHeader);
@@ -577,7 +578,11 @@ ResolvedLaunch resolve(const GemmArgs& args) {
   r.on_calling_thread = inline_queue != nullptr;
   r.queue = r.on_calling_thread ? inline_queue : &device_queue;
   r.built = &planned_kernel(*r.queue, d, args.dtype, args.out_dtype, r.plan);
-  refuse_engine_the_cpu_lacks(*r.queue, r.plan, args.dtype);
+  // The engine's element type: W8A8's int8 tiles, bf16 ones for dequantized weight-only B.
+  const DType engine_dtype = args.a_dtype == DType::int8 ? DType::int8
+                             : is_quantized(args.dtype)  ? DType::bfloat16
+                                                         : args.dtype;
+  refuse_engine_the_cpu_lacks(*r.queue, r.plan, engine_dtype);
   return r;
 }
 
@@ -593,10 +598,7 @@ void submit(const GemmArgs& args, const ResolvedLaunch& r) {
   };
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
-  void* scratch = plan.matrix_engine
-                      ? scratch_for(q, std::size_t(plan.num_workers *
-                                                   matrix_scratch_bytes(args.K, args.b_stride_k != 1)))
-                      : nullptr;
+  void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
 
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size;
@@ -688,10 +690,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
-  // (The kernel walks dY's rows in either orientation below.)
-  void* scratch = plan.matrix_engine
-                      ? scratch_for(q, std::size_t(plan.num_workers * wgrad_matrix_scratch_bytes(args.dy_rows)))
-                      : nullptr;
+  void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
   // The kernel's lanes store along its N: a dB contiguous along K is computed as dB^T = dY^T A
   // (operands, sizes and strides swapped; the index table then applies to its second operand).
   const bool transposed = args.out_stride_n != 1 && args.out_stride_k == 1;
@@ -825,7 +824,8 @@ std::vector<std::string> spirv_modules(const std::string& variants_for, DType dt
 }
 
 std::vector<std::pair<std::string, std::string>> kernel_files() {
-  return {{"common.hpp", kKernelCommonHeader},     {"scheduler.hpp", kKernelSchedulerHeader},
+  return {{"common.hpp", kKernelCommonHeader},     {"sizes.hpp", kKernelSizesHeader},
+          {"scheduler.hpp", kKernelSchedulerHeader},
           {"epilogue.hpp", kKernelEpilogueHeader}, {"matrix_engine.hpp", kKernelMatrixEngineHeader},
           {"moe_gemm.cpp", kMoeGemmSource},
           {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}, {"moe_gemm_quant.cpp", kMoeGemmQuantSource}};

@@ -127,8 +127,10 @@ struct LaunchPlan {
   // The planned kernel runs faster with A in float32 (16-bit A, K-contiguous B, tiles of several
   // rows): the caller may pass a float32 copy of A with a_dtype = float32.
   bool widen_a = false;
-  // Runs on the matrix engine (joint_matrix: AMX on the CPU device).
+  // Runs on the matrix engine (joint_matrix: AMX on the CPU device), with this many bytes of
+  // scratch area for each worker.
   bool matrix_engine = false;
+  std::int64_t scratch_bytes = 0;
   // CPU device: the work-groups run one after another on the calling thread (see
   // inline_flops_limit in variants.cpp) instead of on the runtime's thread pool. Same work-groups,
   // same bits.

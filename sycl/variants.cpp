@@ -1,5 +1,7 @@
 #include "variants.hpp"
 
+#include "kernels/sizes.hpp"
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -35,7 +37,6 @@ const char* format_name(DType t) {
   throw std::invalid_argument("moe_xpu: not a quantized weight format");
 }
 
-constexpr std::int64_t kUnitRows = 64;  // must match kUnitRows in scheduler.hpp
 // The tile shapes compiled into every bundle, per kernel. K-split (k_lanes, plain and gated
 // alike; the gated epilogue needs an even TN: gate and up columns in pairs): {1, 8} decode,
 // {6, 4} otherwise (3-7% faster than {8, 3} and {4, 6} in float32 at 16 and 64 rows per expert,
@@ -205,7 +206,9 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::matrix:
     case Family::matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_kn: return {TileShape{16, 2}};
-    case Family::quant_matrix: return {TileShape{engine_tile(d).n, 2}};
+    case Family::quant_matrix:
+    case Family::dequant_matrix:
+    case Family::dequant_matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_wgrad: return {TileShape{2 * engine_tile(d).m, 2}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
@@ -222,8 +225,6 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
 }
 
 namespace {
-
-constexpr int kRegisterTileVectors = 32;  // must match moe_gemm.cpp
 
 // Few rows per expert (decode): one row per tile so no work is spent on padding rows; many rows
 // (prefill): taller tiles reuse each loaded B value across more rows. The decode tile up to 2 rows
@@ -254,8 +255,6 @@ int k_chunk(Family f, const DeviceDescription& d, TileShape s) {
   return f == Family::n_lanes ? 16 : 256;
 }
 
-constexpr std::int64_t kNLanesPartialTiles = 192;        // must match moe_gemm.cpp
-
 // Bytes of work-group local memory a vector kernel variant declares (group_local_memory in
 // moe_gemm.cpp: partial_sums_area for K chunks, n_lanes_row_stream's row sums); the matrix
 // kernels use a global scratch area instead.
@@ -275,6 +274,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::quant:
     case Family::quant_gated:
     case Family::quant_matrix:
+    case Family::dequant_matrix:
+    case Family::dequant_matrix_gated:
     case Family::matrix_wgrad: return 0;
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
@@ -308,6 +309,12 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out) << ", " << e.m << ", " << e.n << ", " << 2 * e.k << ", " << e.sub_group_size;
     return args.str();
   }
+  if (f == Family::dequant_matrix || f == Family::dequant_matrix_gated) {
+    const MatrixShape e = engine_tile(d);
+    args << format_name(t) << ", " << type_name(out) << ", " << (f == Family::dequant_matrix_gated ? "true" : "false")
+         << ", " << e.m << ", " << e.n << ", " << e.k << ", " << e.sub_group_size;
+    return args.str();
+  }
   if (f == Family::matrix || f == Family::matrix_gated) {
     const MatrixShape e = engine_tile(d);
     args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", "
@@ -335,6 +342,8 @@ std::string kernel_base(Family f) {
     case Family::quant:
     case Family::quant_gated: return "quant";
     case Family::quant_matrix: return "quant_matrix";
+    case Family::dequant_matrix:
+    case Family::dequant_matrix_gated: return "dequant_matrix";
     case Family::matrix_wgrad: return "matrix_wgrad";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
@@ -389,22 +398,6 @@ std::int64_t worker_count(const DeviceDescription& d, std::int64_t per_cu, doubl
 
 }  // namespace
 
-// Bytes of one worker's scratch area in the matrix kernels (matrix_scratch_bytes in moe_gemm.cpp).
-constexpr std::int64_t kKnCols = 4096, kKnChunk = 32;  // must match moe_gemm.cpp
-std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
-  const std::int64_t tile = 16 * 16 * 4, kn_packed = kKnChunk * kKnCols * 2;
-  const std::int64_t kn_partial = (kUnitRows / 16) * (kKnCols / 16) * tile;
-  return kUnitRows * K * 2 + (kn ? kn_packed + kn_partial : 0) + 4 * tile;
-}
-
-// Bytes of one worker's scratch area in the matrix weight-gradient kernel (wgrad_matrix_scratch_bytes
-// in moe_gemm_wgrad.cpp).
-constexpr std::int64_t kWgradRowStep = 32, kWgradPackedBudget = 512 * 1024;  // must match moe_gemm_wgrad.cpp
-std::int64_t wgrad_matrix_scratch_bytes(std::int64_t rows) {
-  const std::int64_t padded = (rows + kWgradRowStep - 1) / kWgradRowStep * kWgradRowStep;
-  return 32 * padded * 2 + std::max(padded * 64, kWgradPackedBudget) + 8 * 16 * 16 * 4;
-}
-
 std::vector<MatrixShape> engine_tiles() { return {std::begin(kEngineTiles), std::end(kEngineTiles)}; }
 
 MatrixShape engine_tile(const DeviceDescription& d) {
@@ -423,7 +416,8 @@ bool has_matrix_engine(const DeviceDescription& d) { return engine_tile(d).m != 
 
 int sub_group_size(const Variant& v, const DeviceDescription& d) {
   const bool engine = v.family == Family::matrix || v.family == Family::matrix_gated ||
-                      v.family == Family::quant_matrix || v.family == Family::matrix_wgrad;
+                      v.family == Family::quant_matrix || v.family == Family::dequant_matrix ||
+                      v.family == Family::dequant_matrix_gated || v.family == Family::matrix_wgrad;
   return engine ? engine_tile(d).sub_group_size : int(kSubGroupSize);
 }
 
@@ -436,6 +430,15 @@ std::vector<DType> quant_a_dtypes(DType t, DType out) {
   if (out == DType::float32) a.insert(a.end(), {DType::bfloat16, DType::float16});
   if (t == DType::int8) a.push_back(DType::int8);
   return a;
+}
+
+// Whether a quantized bundle (B format t, output out) compiles the dequantizing matrix kernels
+// (weight-only B into bf16 tiles; bf16 activations): on an engine with bf16 tiles on 16 lanes (on
+// Xe-HPG's 8 lanes they spilled 160-1344 bytes, as W8A8 did).
+bool dequantizes_to_engine(const DeviceDescription& d, DType t, DType out) {
+  const std::vector<DType> a = quant_a_dtypes(t, out);
+  return is_quantized(t) && engine_takes(d, DType::bfloat16) && engine_tile(d).sub_group_size == 16 &&
+         std::find(a.begin(), a.end(), DType::bfloat16) != a.end();
 }
 
 }  // namespace
@@ -451,6 +454,9 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
       }
     if (engine_takes(d, t) && t == DType::int8)
       variants.push_back(Variant{Family::quant_matrix, DType::int8, t, out, family_tiles(Family::quant_matrix, d, t)[0]});
+    if (dequantizes_to_engine(d, t, out))
+      for (Family f : {Family::dequant_matrix, Family::dequant_matrix_gated})
+        variants.push_back(Variant{f, DType::bfloat16, t, out, family_tiles(f, d, t)[0]});
     return variants;
   }
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
@@ -529,21 +535,41 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   // to eight rows over 8-128 experts, K 512-2048, N 256-1536: cold cache 0.48-1.93 ms against the
   // vector kernel's 0.47-3.15, warm 0.14-1.09 against 0.14-1.29; the bench decode case 4.8
   // against 9.2 ms).
+  // Weight-only formats with bf16 activations dequantize into the engine's bf16 tiles (exact
+  // values, the scales on the float sums) where groups average more than four rows: the
+  // dequantization is vector work per weight, which the vector kernel does anyway, so the engine
+  // pays off only where it serves several token rows (AMX, bench shapes, warm, int8 / fp8, vector
+  // -> engine: 16 rows a group 102 -> 51 / 160 -> 88 ms, 8 rows 42 -> 31 / 68 -> 56 ms; 4 rows
+  // 11 -> 16 / 24 -> 32 ms, 0.25 rows 12 -> 15 / 10 -> 17 ms).
   const MatrixShape e = engine_tile(d);
-  const bool matrix_shape = args.a_dtype == DType::int8 && engine_takes(d, args.dtype) && args.b_stride_k == 1 &&
-                            args.scale_block_k >= args.K && args.K % (2 * e.k) == 0 && args.N % e.m == 0;
+  const bool w8a8 = args.a_dtype == DType::int8;
+  const bool k_contiguous = args.b_stride_k == 1 && args.N % e.m == 0;
+  // Scales per K block (not MXFP4's, folded into its values) in blocks of whole engine steps.
+  const bool k_blocks_fit = args.scale_block_k >= args.K || args.dtype == DType::mxfp4 ||
+                            args.scale_block_k % e.k == 0;
+  const bool matrix_shape =
+      k_contiguous && (w8a8 ? engine_takes(d, args.dtype) && args.scale_block_k >= args.K && args.K % (2 * e.k) == 0
+                            : args.a_dtype == DType::bfloat16 && dequantizes_to_engine(d, args.dtype, args.out_dtype) &&
+                                  args.K % e.k == 0 && k_blocks_fit);
   if (args.engine == 2 && !matrix_shape)
     throw std::invalid_argument(
-        "moe_xpu: the matrix engine takes quantized B only as W8A8 on an engine with int8 tiles, int8 B "
-        "contiguous along K with per-channel scales, K a multiple of the engine's int8 k and N of its tile");
-  const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape && args.tile_m == 0 && args.tile_n == 0);
-  const Family family = use_matrix ? Family::quant_matrix : gated ? Family::quant_gated : Family::quant;
+        "moe_xpu: the matrix engine takes quantized B as W8A8 on an engine with int8 tiles (per-channel "
+        "scales), or weight-only with bf16 activations on one with bf16 tiles; B contiguous along K, K a "
+        "multiple of the engine's k (and of its int8 k for W8A8), scale blocks along K of whole engine "
+        "steps and N a multiple of its tile");
+  const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape && (w8a8 || rows_per_group > 4.0) &&
+                                               args.tile_m == 0 && args.tile_n == 0);
+  const Family family = !use_matrix ? (gated ? Family::quant_gated : Family::quant)
+                        : w8a8      ? Family::quant_matrix
+                        : gated     ? Family::dequant_matrix_gated
+                                    : Family::dequant_matrix;
   const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix);
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;
   plan.tile_m = shape.tile_m;
-  plan.tile_n = use_matrix ? 2 * e.m : gated ? shape.tile_n / 2 : shape.tile_n;
+  plan.tile_n = use_matrix ? (gated ? 1 : 2) * e.m : gated ? shape.tile_n / 2 : shape.tile_n;
+  plan.scratch_bytes = !use_matrix ? 0 : w8a8 ? matrix_scratch_bytes(args.K, false) : dequant_matrix_scratch_bytes(args.K);
   const std::int64_t lanes = use_matrix ? e.sub_group_size : kSubGroupSize;
   plan.sub_group_size = int(lanes);
   // As the float kernels: one sub-group per work-group and 16 workers per core on the CPU, 4
@@ -613,6 +639,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   plan.tile_m = shape.tile_m;
   if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : engine_tile(d).m * (gated ? 1 : 2);
   else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
+  plan.scratch_bytes = use_matrix ? matrix_scratch_bytes(args.K, !k_lanes) : 0;
   // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
   // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per
   // core; other cases unchanged within 2%);
@@ -649,6 +676,8 @@ LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;
+  // (The kernel walks dY's rows in either orientation: see moe_gemm_wgrad in launcher.cpp.)
+  plan.scratch_bytes = use_matrix ? wgrad_matrix_scratch_bytes(args.dy_rows) : 0;
   plan.tile_m = shape.tile_m;
   plan.tile_n = shape.tile_n * int(use_matrix ? engine_tile(d).n : kSubGroupSize);
   plan.sub_group_size = int(lanes);

@@ -20,9 +20,10 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // is gated (wgrad: the weight gradient, moe_gemm_wgrad.cpp); bf16 runs on the matrix engine where there is one (see has_matrix_engine and
 // plan_for), with one matrix kernel per B layout.
 // quant / quant_gated: quantized B (moe_gemm_quant.cpp), K-split like k_lanes; quant_matrix: W8A8
-// on the matrix engine's int8 tile; matrix_wgrad: the weight gradient on the matrix engine.
+// on the matrix engine's int8 tile; dequant_matrix / dequant_matrix_gated: weight-only 8-bit B
+// dequantized into the engine's bf16 tiles; matrix_wgrad: the weight gradient on the matrix engine.
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
-                    quant_matrix, matrix_wgrad };
+                    quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).
@@ -66,10 +67,6 @@ std::string kernel_name(const Variant& v, const DeviceDescription& d);
 std::string kernel_instantiation(const Variant& v, const DeviceDescription& d);
 // Work-group local memory a variant declares, in bytes.
 std::int64_t local_memory_bytes(const Variant& v, const DeviceDescription& d);
-// Bytes of one worker's scratch area in the matrix kernels.
-std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn);
-// ... and in the matrix weight-gradient kernel, for a launch walking `rows` rows.
-std::int64_t wgrad_matrix_scratch_bytes(std::int64_t rows);
 LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d);
 LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d);
 

@@ -155,9 +155,26 @@ def test_gpu_w8a8_choice(C, target):
     """The int8 bundle of a GPU holds the W8A8 matrix kernel at the target's int8 tile where it has
     one, and W8A8 prefill with K-contiguous weights runs on it there."""
     names = C.bundle_kernel_names(0, target, C.DType.int8, C.DType.bfloat16)
-    matrix = [n for n in names if "quant_matrix" in n]
+    matrix = [n for n in names if "moe_gemm_quant_matrix<" in n]
     if target in XMX_INT8:
         assert matrix == ["moe_xpu::moe_gemm_quant_matrix<uint16_t, " + ", ".join(map(str, XMX_INT8[target])) + ">"]
+    else:
+        assert not matrix, names
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "int4", "mxfp4"])
+def test_gpu_dequant_matrix_kernels(C, target, dtype):
+    """Each weight-only format's bundle of a GPU with XMX holds the dequantizing matrix kernel,
+    plain and gated, at the target's bf16 tile on 16 lanes; Xe-HPG (8 lanes, where it spilled) and
+    a GPU without XMX none."""
+    names = C.bundle_kernel_names(0, target, getattr(C.DType, dtype), C.DType.float32)
+    matrix = sorted(n for n in names if "moe_gemm_dequant_matrix<" in n)
+    if target in XMX and XMX[target][3] == 16:
+        fmt = {"int8": "Int8Weights", "fp8_e4m3": "Fp8Weights", "int4": "Int4Weights", "mxfp4": "Mxfp4Weights"}[dtype]
+        tile = ", ".join(map(str, XMX[target]))
+        assert matrix == [f"moe_xpu::moe_gemm_dequant_matrix<moe_xpu::{fmt}, float, {gated}, {tile}>"
+                          for gated in ("false", "true")]
     else:
         assert not matrix, names
 

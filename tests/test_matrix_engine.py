@@ -363,6 +363,168 @@ def test_w8a8_engine_refused_off_its_shapes(C8):
         _run_w8a8(C8, a, a_scale, b, b_scale, [8, 8], None, None, torch.float32, MATRIX)
 
 
+# Weight-only formats with bf16 activations, dequantized into the engine's bf16 tiles
+# (moe_gemm_dequant_matrix): exact values; per-channel scales on the float32 sums, K-block scales
+# on each block's sums, MXFP4's power-of-two scales folded into its values.
+# ---------------------------------------------------------------------------------------------
+
+DEQUANT_FORMATS = {
+    "int8": ("int8", {}),
+    "fp8": ("fp8", {"block_size": None}),             # per output channel
+    "fp8-128x128": ("fp8", {}),                        # DeepSeek-V3's blocks: scales per 128 k
+    "int4-g32": ("int4", {"group_size": 32}),
+    "int4-g128-zp": ("int4", {"group_size": 128, "zero_point": True}),
+    "mxfp4": ("mxfp4", {}),
+}
+
+
+def _dequant_inputs(counts, K, N, rows, fmt, gathered, with_bias, gated=False):
+    E, M = len(counts), sum(counts)
+    cols = 2 * N if gated else N
+    w = torch.randn(E, cols, K).transpose(1, 2)  # nn.Linear layout: K contiguous
+    name, kwargs = DEQUANT_FORMATS[fmt]
+    q = moe_xpu.quantize_experts(w, name, **kwargs)
+    a = torch.randn(rows, K).to(torch.bfloat16)
+    gather = torch.randint(0, rows, (M,)) if gathered else None
+    bias = torch.randn(E, cols) if with_bias else None
+    return a, q, gather, bias
+
+
+def _dequant_reference(a, q, counts, gather, bias, rows_out, dtype):
+    """The products on the dequantized weights in `dtype` (float64: the reference; float32: the
+    naive computation whose error bounds ours); rows past the last offset zero."""
+    w = q.dequantize(torch.float32).to(dtype)
+    out = torch.zeros(rows_out, w.shape[2], dtype=dtype)
+    start = 0
+    for g, n in enumerate(counts):
+        src = torch.arange(start, start + n) if gather is None else gather[start:start + n].long()
+        out[start:start + n] = a[src].to(dtype) @ w[g]
+        if bias is not None:
+            out[start:start + n] += bias[g].to(dtype)
+        start += n
+    return out
+
+
+def _run_dequant(C, a, q, counts, gather, bias, out_dtype, engine, workers=0, variants_for="", gated=False):
+    from moe_xpu import quant
+
+    planned = []
+
+    def configure(args):
+        args.engine, args.num_workers, args.variants_for = engine, workers, variants_for
+        planned.append(C.plan_gemm(args))
+
+    N = q.shape[2] // 2 if gated else None
+    out = quant.run_quant(a, q, offsets(counts), None, gather, bias, out_dtype, configure=configure,
+                          activation=1 if gated else 0, up_offset=N or 0, out_columns=N)
+    assert planned[0].matrix_engine == (engine == MATRIX), planned[0].kernel_name
+    if engine == MATRIX:
+        assert planned[0].kernel_name.startswith("moe_xpu::moe_gemm_dequant_matrix<"), planned[0].kernel_name
+    return out
+
+
+def _assert_within_naive_error(out, ref64, naive32, out_dtype):
+    """Our error against float64 at most twice the naive float32 computation's, plus a few ulps
+    of the output dtype."""
+    err = (out.double() - ref64).abs().max().item() if out.numel() else 0.0
+    naive = (naive32.double() - ref64).abs().max().item() if out.numel() else 0.0
+    scale = max(1.0, ref64.abs().max().item()) if out.numel() else 1.0
+    assert err <= 2 * naive + 4 * torch.finfo(out_dtype).eps * scale, (err, naive)
+
+
+@pytest.mark.parametrize("counts,K,N,tail,gathered", [
+    ([0, 37, 0, 3, 1], 128, 48, 2, False),       # empty experts, a short tile, an odd last column tile
+    ([0, 0, 150], 64, 32, 0, False),             # one expert taking every row: three 64-row blocks
+    ([1, 0, 2, 1] * 16, 256, 16, 3, True),       # many experts of a row or two, through an index table
+    ([17, 33, 64, 5], 1024, 80, 0, True),        # K over many engine steps and scale blocks
+    ([0, 0, 0], 64, 16, 4, False),               # no routed rows: only the zeroed tail
+    ([9, 3], 160, 32, 0, False),                 # K past the last whole 128-k block of packed 4-bit words
+])
+@pytest.mark.parametrize("fmt", list(DEQUANT_FORMATS))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile", ["amx", "pvc"])
+def test_dequant_engine_matches_reference(C, counts, K, N, tail, gathered, fmt, out_dtype, tile):
+    """AMX's bf16 tile and the XMX tile of pvc (also bmg, lnl, ptl), both run here by AMX."""
+    if fmt.startswith("int4") and K % DEQUANT_FORMATS[fmt][1]["group_size"]:
+        pytest.skip("K is not a multiple of the group size")
+    rows = sum(counts) + tail if not gathered else 40
+    a, q, gather, bias = _dequant_inputs(counts, K, N, rows, fmt, gathered, with_bias=True)
+    out = _run_dequant(C, a, q, counts, gather, bias, out_dtype, MATRIX, variants_for="" if tile == "amx" else tile)
+    ref = _dequant_reference(a, q, counts, gather, bias, out.shape[0], torch.float64)
+    naive = _dequant_reference(a, q, counts, gather, bias, out.shape[0], torch.float32)
+    _assert_within_naive_error(out, ref, naive, out_dtype)
+
+
+@pytest.mark.parametrize("fmt", list(DEQUANT_FORMATS))
+@pytest.mark.parametrize("tile", ["amx", "pvc"])
+def test_dequant_engine_gated_epilogue(C, fmt, tile):
+    """The fused MoE's first GEMM: gate and up columns from one weight tensor, silu(gate) * up,
+    each with its own scale and bias."""
+    counts, K, N = [20, 0, 3, 41], 256, 48
+    a, q, gather, bias = _dequant_inputs(counts, K, N, 64, fmt, True, with_bias=True, gated=True)
+    out = _run_dequant(C, a, q, counts, gather, bias, torch.float32, MATRIX,
+                       variants_for="" if tile == "amx" else tile, gated=True)
+    h = _dequant_reference(a, q, counts, gather, bias, sum(counts), torch.float64)
+    ref = F.silu(h[:, :N]) * h[:, N:]
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-128x128"])
+def test_dequant_engine_strided_and_workers_bitwise(C, fmt):
+    """Padded weight and activation rows, int32 index table, per-channel and K-block scales; every
+    worker count gives the same bits."""
+    counts, K, N = [1, 200, 0, 2, 30, 70], 256, 48
+    E, M = len(counts), sum(counts)
+    w = torch.randn(E, N, K + 64)[:, :, :K].transpose(1, 2)
+    name, kwargs = DEQUANT_FORMATS[fmt]
+    q = moe_xpu.quantize_experts(w, name, **kwargs)
+    a = torch.randn(90, K + 16).to(torch.bfloat16)[:, :K]
+    gather = torch.randint(0, 90, (M,), dtype=torch.int32)
+    ref = _dequant_reference(a, q, counts, gather, None, M, torch.float64)
+    naive = _dequant_reference(a, q, counts, gather, None, M, torch.float32)
+    first = None
+    for workers in [1, 3, 7, 64, 1000]:
+        out = _run_dequant(C, a, q, counts, gather, None, torch.float32, MATRIX, workers)
+        _assert_within_naive_error(out, ref, naive, torch.float32)
+        first = out if first is None else first
+        assert torch.equal(out, first)
+
+
+def test_dequant_engine_is_chosen_where_it_fits(C):
+    """bf16 activations with weight-only B contiguous along K go to the engine when groups average
+    more than four rows; the vector kernel keeps decode, scale blocks that split an engine step,
+    float32 activations, [E, K, N] weights and shapes off the engine's tiles."""
+    from moe_xpu import quant
+
+    def plan(counts, K, N, fmt="int8", layout="linear", a_dtype=torch.bfloat16, **kw):
+        w = torch.randn(len(counts), N, K).transpose(1, 2) if layout == "linear" else torch.randn(len(counts), K, N)
+        q = moe_xpu.quantize_experts(w, fmt, **kw)
+        plans = []
+        quant.run_quant(torch.randn(sum(counts), K).to(a_dtype), q, offsets(counts), None, None, None, torch.float32,
+                        configure=lambda args: plans.append(C.plan_gemm(args)))
+        return plans[0]
+
+    assert plan([16] * 4, 256, 64).kernel_name.startswith("moe_xpu::moe_gemm_dequant_matrix<moe_xpu::Int8Weights")
+    assert plan([16] * 4, 256, 64, "fp8", block_size=None).matrix_engine
+    assert plan([16] * 4, 256, 64, "fp8").matrix_engine                       # 128 x 128 block scales
+    assert plan([16] * 4, 256, 64, "int4", group_size=32).matrix_engine
+    assert plan([16] * 4, 256, 64, "mxfp4").matrix_engine
+    assert not plan([16] * 4, 256, 64, "fp8", block_size=(128, 16)).matrix_engine  # blocks of half an engine step
+    assert not plan([1, 0, 2, 1] * 2, 256, 64).matrix_engine                  # decode
+    assert not plan([4] * 4, 256, 64).matrix_engine                           # 16tok-E8: 4 rows a group
+    assert plan([5] * 4, 256, 64).matrix_engine
+    assert not plan([16] * 4, 256, 64, a_dtype=torch.float32).matrix_engine   # float32 activations
+    assert not plan([16] * 4, 256, 64, layout="kn").matrix_engine             # contiguous along N
+    assert not plan([16] * 4, 256 + 16, 64).matrix_engine                     # K off the engine's step
+    assert not plan([16] * 4, 256, 64 + 8).matrix_engine                      # N off its tile
+
+
+def test_dequant_engine_refused_off_its_shapes(C):
+    a, q, _, _ = _dequant_inputs([8, 8], 80, 32, 16, "int8", False, False)
+    with pytest.raises(ValueError, match="bf16 tiles"):
+        _run_dequant(C, a, q, [8, 8], None, None, torch.float32, MATRIX)
+
+
 # The weight gradient on the matrix engine: dB[g] = A[rows of g]^T dY[rows of g], both operands
 # rearranged into the worker's scratch (A^T tiles, dY pair-interleaved, rows padded to 32), AMX's
 # tile and the XMX tiles of pvc and dg2 run here, against float64.

@@ -12,11 +12,8 @@ namespace moe_xpu {
 
 namespace jm = sycl::ext::oneapi::experimental::matrix;
 using bf16 = sycl::ext::oneapi::bfloat16;
-// AMX's engine tile, which the N-contiguous matrix kernel is written for:
-constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
-constexpr int kMatToks = 16;  // tokens per engine tile
-constexpr int kMatK = 32;     // k per engine step (bf16)
-constexpr int kMatTokTiles = int(kUnitRows) / kMatToks;
+// AMX's engine tile (kMatRows x kMatToks x kMatK), the N-contiguous kernel's unit and the
+// scratch areas are in sizes.hpp, which the host shares.
 
 // The K-contiguous matrix kernel's engine tile: Rows weight rows (output columns) x Toks tokens,
 // KStep k per engine step, run by sub-groups of Lanes (one token per lane when packing). The
@@ -30,25 +27,6 @@ struct EngineTile {
   static constexpr int64_t tile_bytes = int64_t(Rows) * Toks * 4;
 };
 
-// The N-contiguous matrix kernel's unit: up to kKnCols columns, so that for N <= kKnCols a chunk
-// of B rows is one contiguous block of memory, read as one sequential stream (the hardware
-// prefetchers follow it; units of 256 or 1024 columns read B rows in short pieces and measured
-// 1.7-2x slower on the bench's [E, K, N] cases), K walked one engine step (kKnChunk) at a time
-// (chunks of 64 measured 1.2-1.4x slower).
-constexpr int kKnCols = 4096;
-constexpr int kKnChunk = 32;
-constexpr int kKnTiles = kKnCols / kMatRows;
-
-// One worker's scratch area: the packed A of a row block (kUnitRows x K bf16); for the
-// N-contiguous kernel its packed B chunk and the partial sums of its unit; then the stored
-// accumulator tiles of the epilogue.
-inline int64_t matrix_a_bytes(int64_t K) { return int64_t(kUnitRows) * K * 2; }
-constexpr int64_t kTileBytes = kMatRows * kMatToks * 4;
-constexpr int64_t kKnPackedBytes = int64_t(kKnChunk) * kKnCols * 2;
-constexpr int64_t kKnPartialBytes = int64_t(kMatTokTiles) * kKnTiles * kTileBytes;
-inline int64_t matrix_scratch_bytes(int64_t K, bool kn) {
-  return matrix_a_bytes(K) + (kn ? kKnPackedBytes + kKnPartialBytes : 0) + 4 * kTileBytes;
-}
 
 // The four zero tiles after a kernel's four stored accumulator tiles (tile_elems elements each),
 // zeroed by the worker's lanes. Accumulators start from a load of one of them each: on AMX
@@ -127,20 +105,33 @@ inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
     packed[r * Toks + lane] = engine_pair<T>(row[2 * r], row[2 * r + 1]);
 }
 
+// for_each_engine_unit's pack_tile for the 16-bit engine kernels: token tile j of the row block
+// into packed + j * (K / 2) * Toks, pair-interleaved (matrix_pack_rows).
+template <int Toks, typename T, typename TA>
+inline auto pair_packer(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                        int gather_is64, int64_t K, int lane, uint32_t* packed) {
+  return [=](int64_t j, int64_t m0, int64_t valid) {
+    matrix_pack_rows<Toks, T>(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, lane,
+                              packed + j * (K / 2) * Toks);
+  };
+}
+
 // The k loop of `Tiles` consecutive packed token tiles (x: the first; the next follows
-// K x Toks elements later) against the unit's two weight tiles; stores accumulator (token tile
-// j, weight tile i) to stored + (2 j + i) * Rows * Toks as [weight row][token]. E: the engine's
-// element type (bf16, fp16: two k a packed word, float sums; int8: four k a word, int32 sums).
+// K x Toks elements later) against the unit's two weight tiles, over the first k_len k (all of K
+// unless given); stores accumulator (token tile j, weight tile i) to stored + (2 j + i) * Rows *
+// Toks as [weight row][token]. E: the engine's element type (bf16, fp16: two k a packed word,
+// float sums; int8: four k a word, int32 sums).
 template <typename Tile, int Tiles, typename E, typename Acc = float>
 inline void matrix_k_loop(const sycl::sub_group& sg, const E* const (&w_rows)[2], int64_t b_stride_n,
-                          const uint32_t* x, int64_t K, Acc* stored) {
+                          const uint32_t* x, int64_t K, Acc* stored, int64_t k_len = -1) {
+  if (k_len < 0) k_len = K;
   constexpr int R = Tile::rows, Tk = Tile::toks, KS = Tile::k_step;
   constexpr int per_word = 4 / int(sizeof(E));
   jm::joint_matrix<sycl::sub_group, Acc, jm::use::accumulator, R, Tk> acc[Tiles][2];
   for (int j = 0; j < Tiles; ++j)
     for (int i = 0; i < 2; ++i) jm::joint_matrix_fill(sg, acc[j][i], Acc(0));
   const E* xe = reinterpret_cast<const E*>(x);
-  for (int64_t k = 0; k < K; k += KS) {
+  for (int64_t k = 0; k < k_len; k += KS) {
     jm::joint_matrix<sycl::sub_group, E, jm::use::b, KS, Tk, jm::layout::ext_intel_packed> xb[Tiles];
     for (int j = 0; j < Tiles; ++j)
       jm::joint_matrix_load(sg, xb[j], global_ptr(xe + (j * K + k) * Tk), per_word * Tk);
@@ -199,5 +190,83 @@ inline void for_each_engine_unit(const Worker& w, const void* group_offsets, int
       });
 }
 
+// The first weight rows (output columns) of a K-contiguous unit's two weight tiles at output
+// column n0: n0 and n0 + Rows (gated: the gate rows n0 and the up rows n0 + up_offset). A plain
+// unit at the last Rows columns repeats its first tile and stores only that one: returns whether
+// the second tile is stored.
+template <bool Gated, int Rows>
+inline bool unit_weight_tiles(int64_t n0, int64_t N, int64_t up_offset, int64_t (&first_row)[2]) {
+  const bool second_stored = Gated || n0 + Rows < N;
+  first_row[0] = n0;
+  first_row[1] = Gated ? n0 + up_offset : n0 + (second_stored ? Rows : 0);
+  return second_stored;
+}
+
+// A K-contiguous engine unit's token tiles and epilogue, shared by the float and the dequantizing
+// kernels: k_loop(tiles, x) leaves the sums of the unit's two weight tiles against `tiles` (1 or 2,
+// a std::integral_constant) consecutive token tiles of its packed row block (x: the first) in
+// `stored`, as matrix_k_loop does; token tiles go in pairs where there are two (each weight tile
+// then serves both from one load). Then per stored output column (sum * scale + bias), the gated
+// activation, the row weight and the scatter. column(n, scale, bias) gives weight row n's scale
+// and bias. Plain units are two weight tiles (2 * Rows output columns) wide, their second tile
+// stored only when second_stored; gated units one output tile of Rows columns, whose gate and up
+// weight rows (n and n + up_offset) make the two tiles.
+template <typename Tile, bool Gated, typename TOut, typename KLoopFn, typename ColumnFn>
+inline void matrix_unit_tiles(const Worker& w, KLoopFn&& k_loop,
+                              const uint32_t* packed, int64_t K, const float* stored, int64_t n0,
+                              bool second_stored, int64_t up_offset, int64_t row_begin, int64_t rows,
+                              int64_t m_first, int64_t m_last, int activation, TOut* out,
+                              int64_t out_row_stride, int64_t out_rows, const void* scatter_index,
+                              int scatter_is64, const float* row_weight, ColumnFn&& column) {
+  constexpr int Rows = Tile::rows, Toks = Tile::toks, Lanes = Tile::lanes;
+  constexpr int out_cols = Gated ? Rows : 2 * Rows;
+  // The epilogue's lanes walk the unit's output columns: column c = lane + Lanes * s.
+  constexpr int kColumnSteps = (out_cols + Lanes - 1) / Lanes;
+  // Per column step: the weight tile and row behind this lane's output column, its scale and
+  // bias (gated: gate and up), and whether the column is stored.
+  int tile_of[kColumnSteps], row_of[kColumnSteps];
+  bool stores[kColumnSteps];
+  float scale_v[kColumnSteps][2], bias_v[kColumnSteps][2];
+  #pragma unroll
+  for (int s = 0; s < kColumnSteps; ++s) {
+    const int c = w.lane + Lanes * s;
+    tile_of[s] = Gated ? 0 : c / Rows;
+    row_of[s] = Gated ? c : c % Rows;
+    stores[s] = c < out_cols && (Gated || tile_of[s] == 0 || second_stored);
+    scale_v[s][0] = scale_v[s][1] = 1.0f;
+    bias_v[s][0] = bias_v[s][1] = 0.0f;
+    if (stores[s]) {
+      const int64_t n = Gated ? n0 + c : n0 + (second_stored ? c : row_of[s]);
+      column(n, scale_v[s][0], bias_v[s][0]);
+      if (Gated) column(n + up_offset, scale_v[s][1], bias_v[s][1]);
+    }
+  }
+  for (int64_t t = m_first; t < m_last; t += 2) {
+    const int pair = t + 1 < m_last ? 2 : 1;
+    const uint32_t* x = packed + (t - m_first) * (K / 2) * Toks;
+    if (pair == 2) k_loop(std::integral_constant<int, 2>{}, x);
+    else k_loop(std::integral_constant<int, 1>{}, x);
+    for (int j = 0; j < pair; ++j) {
+      const float* tile = stored + j * 2 * Rows * Toks;  // [weight tile][weight row][token]
+      const int64_t m0 = row_begin + (t + j) * Toks;
+      const int64_t valid = matrix_tile_rows(rows, t + j, Toks);
+      for (int64_t m = 0; m < valid; ++m) {
+        const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
+        TOut* dst = out + target.row * out_row_stride + n0;
+        #pragma unroll
+        for (int s = 0; s < kColumnSteps; ++s) {
+          if (!stores[s]) continue;
+          const float v0 = tile[(tile_of[s] * Rows + row_of[s]) * Toks + m] * scale_v[s][0] + bias_v[s][0];
+          if constexpr (Gated) {
+            const float v1 = tile[(Rows + row_of[s]) * Toks + m] * scale_v[s][1] + bias_v[s][1];
+            dst[row_of[s]] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
+          } else {
+            dst[second_stored ? w.lane + Lanes * s : row_of[s]] = FromFloat<TOut>::convert(v0 * target.weight);
+          }
+        }
+      }
+    }
+  }
+}
 
 }  // namespace moe_xpu

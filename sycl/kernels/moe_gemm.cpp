@@ -300,10 +300,6 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
       });
 }
 
-// N-split tiles at most this many vectors wide keep their sums in registers; wider one-row tiles
-// (the CPU's decode tile) stream B rows with their sums in work-group local memory.
-constexpr int kRegisterTileVectors = 32;
-
 // One pass of a one-row streaming unit over RK consecutive k rows: every sum vector u of the
 // block gets a[k] * B[k][u] + ... + a[k + RK - 1] * B[k + RK - 1][u], in k order. A read unit
 // yields P adjacent columns per lane (P = 2: a word of two bf16 columns); b_values(k, offset, bv)
@@ -432,8 +428,7 @@ inline void n_lanes_row_stream(const VectorArgs<TA, T, TOut>& p) {
 // the column block is as wide as the rest of that room allows, split evenly over N. [E, K, N]
 // float32 with the cache cold: prefill 155 -> 122 ms, 64 tokens 86 -> 49 ms, 16 tokens x top-2
 // 37 -> 27 ms. Elsewhere (GPU, KChunk = 0) a unit is one column tile over kUnitRows rows,
-// registers only.
-constexpr int64_t kNLanesPartialTiles = 192;
+// registers only. kNLanesPartialTiles is in sizes.hpp, which the host shares.
 // Units of the N-split kernel whose B slice is larger than this prefetch their next K chunk.
 constexpr int64_t kPrefetchSliceBytes = 256 * 1024;
 struct NLanesUnitShape {
@@ -655,70 +650,26 @@ void moe_gemm_matrix(const TA* a, int64_t a_row_stride, int64_t a_rows, const vo
   // Plain units are two weight tiles (2 * Rows output columns) wide; gated units one output tile
   // of Rows columns, whose gate and up weight rows make the two weight tiles.
   constexpr int out_cols = Gated ? Rows : 2 * Rows;
-  // The epilogue's lanes walk the unit's output columns: column c = lane + Lanes * s.
-  constexpr int kColumnSteps = (out_cols + Lanes - 1) / Lanes;
   for_each_engine_unit<Tile>(
       w, group_offsets, offsets_is64, num_groups, out_rows, N, out_cols, UnitCost{1, 14}, out,
       out_row_stride, scatter_index, scatter_is64, row_weight,
-      [&](int64_t j, int64_t m0, int64_t valid) {
-        matrix_pack_rows<Toks, T>(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, K, w.lane,
-                                  packed + j * (K / 2) * Toks);
-      },
+      pair_packer<Toks, T>(a, a_row_stride, a_rows, gather_index, gather_is64, K, w.lane, packed),
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n0) {
-        // The two weight tiles: rows n0.. and n0 + Rows.. (gated: the up rows n0 + up_offset..).
-        // A plain unit at the last Rows columns repeats its first tile and stores only that one.
-        const bool second_stored = Gated || n0 + Rows < N;
+        int64_t first_row[2];
+        const bool second_stored = unit_weight_tiles<Gated, Rows>(n0, N, up_offset, first_row);
         const E* w_rows[2];
-        for (int i = 0; i < 2; ++i) {
-          const int64_t n = Gated ? n0 + (i == 1 ? up_offset : 0) : n0 + (second_stored ? i * Rows : 0);
-          w_rows[i] = reinterpret_cast<const E*>(b + g * b_stride_e + n * b_stride_n);
-        }
-        // Per column step: the weight tile and row behind this lane's output column, its bias
-        // (gated: gate and up), and whether the column is stored.
-        int tile_of[kColumnSteps], row_of[kColumnSteps];
-        bool stores[kColumnSteps];
-        float bias_v[kColumnSteps][2];
-        #pragma unroll
-        for (int s = 0; s < kColumnSteps; ++s) {
-          const int c = w.lane + Lanes * s;
-          tile_of[s] = Gated ? 0 : c / Rows;
-          row_of[s] = Gated ? c : c % Rows;
-          stores[s] = c < out_cols && (Gated || tile_of[s] == 0 || second_stored);
-          bias_v[s][0] = bias_v[s][1] = 0.0f;
-          if (bias != nullptr && stores[s]) {
-            const int64_t n = Gated ? n0 + c : n0 + (second_stored ? c : row_of[s]);
-            bias_v[s][0] = to_float(bias[g * bias_stride_e + n]);
-            if (Gated) bias_v[s][1] = to_float(bias[g * bias_stride_e + n + up_offset]);
-          }
-        }
-        // Token tiles in pairs where there are two (each weight tile then serves both from one
-        // load), a last single tile alone.
-        for (int64_t t = m_first; t < m_last; t += 2) {
-          const int pair = t + 1 < m_last ? 2 : 1;
-          const uint32_t* x = packed + (t - m_first) * (K / 2) * Toks;
-          if (pair == 2) matrix_k_loop<Tile, 2>(w.sg, w_rows, b_stride_n, x, K, stored);
-          else matrix_k_loop<Tile, 1>(w.sg, w_rows, b_stride_n, x, K, stored);
-          for (int j = 0; j < pair; ++j) {
-            const float* tile = stored + j * 2 * Rows * Toks;  // [weight tile][weight row][token]
-            const int64_t m0 = row_begin + (t + j) * Toks;
-            const int64_t valid = matrix_tile_rows(rows, t + j, Toks);
-            for (int64_t m = 0; m < valid; ++m) {
-              const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
-              TOut* dst = out + target.row * out_row_stride + n0;
-              #pragma unroll
-              for (int s = 0; s < kColumnSteps; ++s) {
-                if (!stores[s]) continue;
-                const float v0 = tile[(tile_of[s] * Rows + row_of[s]) * Toks + m] + bias_v[s][0];
-                if constexpr (Gated) {
-                  const float v1 = tile[(Rows + row_of[s]) * Toks + m] + bias_v[s][1];
-                  dst[row_of[s]] = FromFloat<TOut>::convert(activate(activation, v0) * v1 * target.weight);
-                } else {
-                  dst[second_stored ? w.lane + Lanes * s : row_of[s]] = FromFloat<TOut>::convert(v0 * target.weight);
-                }
-              }
-            }
-          }
-        }
+        for (int i = 0; i < 2; ++i) w_rows[i] = reinterpret_cast<const E*>(b + g * b_stride_e + first_row[i] * b_stride_n);
+        matrix_unit_tiles<Tile, Gated>(
+            w,
+            [&](auto tiles, const uint32_t* x) {
+              matrix_k_loop<Tile, decltype(tiles)::value>(w.sg, w_rows, b_stride_n, x, K, stored);
+            },
+            packed, K, stored, n0, second_stored, up_offset, row_begin, rows, m_first,
+            m_last, activation, out, out_row_stride, out_rows, scatter_index, scatter_is64, row_weight,
+            [&](int64_t n, float& scale, float& bias_n) {
+              scale = 1.0f;
+              bias_n = bias != nullptr ? to_float(bias[g * bias_stride_e + n]) : 0.0f;
+            });
       });
 }
 

@@ -482,11 +482,10 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
                                    (uint32_t(row[4 * r + 2]) << 16) | (uint32_t(row[4 * r + 3]) << 24);
       },
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n0) {
-        // The unit's last Rows columns alone (N an odd number of tiles): its one tile twice, stored once.
-        const bool second_stored = n0 + Rows < N;
+        int64_t first_row[2];
+        const bool second_stored = unit_weight_tiles<false, Rows>(n0, N, 0, first_row);
         const int8_t* w_rows[2];
-        for (int i = 0; i < 2; ++i)
-          w_rows[i] = static_cast<const int8_t*>(b) + g * b_stride_e + (n0 + (second_stored ? i * Rows : 0)) * b_stride_n;
+        for (int i = 0; i < 2; ++i) w_rows[i] = static_cast<const int8_t*>(b) + g * b_stride_e + first_row[i] * b_stride_n;
         int64_t col[kColumnSteps];  // this lane's output column per step, and its scale and bias
         bool stores[kColumnSteps];
         float col_scale[kColumnSteps], bias_v[kColumnSteps];
@@ -524,6 +523,125 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
       });
 }
 
+// Weight-only formats on the matrix engine, bf16 activations: each unit dequantizes its two
+// weight tiles' rows into the worker's scratch area as bf16, exactly: the unscaled values of
+// int8 (integers up to 128), fp8 e4m3 (a 3-bit mantissa and an exponent range inside bf16's) and
+// int4 (q - z, integers up to 15); MXFP4's e2m1 values times their power-of-two block scale (exact
+// unless it falls below bf16's normal range, under 2^-126, where the engine reads zero). The float
+// matrix kernel's k loop and epilogue then run on them, so products are exact and summed in
+// float32. Scales: one per output channel (block_k >= K, and MXFP4's folded ones) multiply the
+// float sums in the epilogue; scales per K block (int4 groups, fp8's 128 x 128 blocks) multiply
+// each block's engine sums, which are added up in float in ascending k. The dequantized rows
+// serve every token tile of the unit's row block. Needs K % (the engine tile's k) == 0 and
+// N % Rows == 0, and K-blocked scales blocks of whole engine steps (checked by the launcher).
+template <typename Fmt>
+constexpr bool kFoldedScales = std::is_same_v<Fmt, Mxfp4Weights>;
+
+template <typename Fmt, typename TOut, bool Gated, int Rows, int Toks, int KStep, int Lanes>
+MOE_XPU_KERNEL_WITH_LANES(Lanes)
+void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                             int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
+                             int64_t /*b_stride_k: 1*/, const void* scale, int64_t scale_stride_e,
+                             int64_t scale_stride_n, int64_t scale_stride_k, int64_t scale_block_n,
+                             int64_t scale_block_k, const uint8_t* zero, int64_t zero_stride_e,
+                             int64_t zero_stride_n, int64_t zero_stride_k, const float* /*a_scale*/,
+                             const float* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
+                             int64_t out_rows, const void* group_offsets, int offsets_is64, int64_t num_groups,
+                             int64_t K, int64_t N, int activation, int64_t up_offset, const void* scatter_index,
+                             int scatter_is64, const float* row_weight, void* scratch) {
+  using Tile = EngineTile<Rows, Toks, KStep, Lanes>;
+  const Worker w = this_worker();
+  unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * dequant_matrix_scratch_bytes(K);
+  uint32_t* packed = reinterpret_cast<uint32_t*>(mine);                   // [tok_tiles][K / 2][Toks]
+  float* stored = reinterpret_cast<float*>(mine + matrix_a_bytes(K));     // [4][Rows][Toks]
+  uint16_t* values = reinterpret_cast<uint16_t*>(mine + matrix_scratch_bytes(K, false));  // [2][Rows][K]
+  float* block_sums = reinterpret_cast<float*>(values + 2 * kMatRows * K);  // [4][Rows][Toks]
+  constexpr int out_cols = Gated ? Rows : 2 * Rows;
+  const bool blocked = !kFoldedScales<Fmt> && scale_block_k < K;
+  // (A loop, not sycl::clz, as in quant_tile.)
+  int block_shift = 0;
+  while ((int64_t(1) << block_shift) < scale_block_k) ++block_shift;
+  auto scale_of = [&](int64_t g, int64_t n, int64_t k) {
+    return Fmt::scale(scale, g * scale_stride_e + (n / scale_block_n) * scale_stride_n + (k >> block_shift) * scale_stride_k);
+  };
+  for_each_engine_unit<Tile>(
+      w, group_offsets, offsets_is64, num_groups, out_rows, N, out_cols, UnitCost{1, 7}, out,
+      out_row_stride, scatter_index, scatter_is64, row_weight,
+      pair_packer<Toks, uint16_t>(a, a_row_stride, a_rows, gather_index, gather_is64, K, w.lane, packed),
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n0) {
+        // The two weight tiles' rows dequantized into `values`. Uniform loops over whole sub-group
+        // steps (K is whole engine steps): per-lane bounds made every load and store masked.
+        int64_t n_tile[2];
+        const bool second_stored = unit_weight_tiles<Gated, Rows>(n0, N, up_offset, n_tile);
+        for (int i = 0; i < 2; ++i)
+          for (int r = 0; r < Rows; ++r) {
+            const int64_t n = n_tile[i] + r;
+            uint16_t* dst = values + (i * Rows + r) * K;
+            if constexpr (Fmt::kBits == 8) {
+              const uint8_t* src = static_cast<const uint8_t*>(b) + g * b_stride_e + n * b_stride_n;
+              for (int64_t k0 = 0; k0 < K; k0 += Lanes)
+                dst[k0 + w.lane] = uint16_t(sycl::bit_cast<uint32_t>(Fmt::value(src[k0 + w.lane], 0.0f)) >> 16);
+            } else {
+              // Word l of each 128-k block holds k = 16 s + l, s = 0..7 (see the file's head).
+              const uint32_t* src = static_cast<const uint32_t*>(b) + g * b_stride_e + n * b_stride_n;
+              for (int64_t kb = 0; kb < K; kb += kPackedK) {
+                const uint32_t word = src[(kb / kPackedK) * kLanes + w.lane];
+                const int steps = K - kb < kPackedK ? int((K - kb) / kLanes) : 8;
+                for (int step = 0; step < steps; ++step) {
+                  const int64_t k0 = kb + int64_t(kLanes) * step;
+                  const uint32_t q = (word >> (4 * step)) & 0xfu;
+                  float v;
+                  if constexpr (kFoldedScales<Fmt>) {
+                    v = Fmt::value(q, 0.0f) * scale_of(g, n, k0);
+                  } else {
+                    const float z = float(zero[g * zero_stride_e + (n / scale_block_n) * zero_stride_n +
+                                               (k0 >> block_shift) * zero_stride_k]);
+                    v = Fmt::value(q, z);
+                  }
+                  dst[k0 + w.lane] = uint16_t(sycl::bit_cast<uint32_t>(v) >> 16);  // exact: nothing to round
+                }
+              }
+            }
+          }
+        const bf16* w_rows[2] = {reinterpret_cast<const bf16*>(values),
+                                 reinterpret_cast<const bf16*>(values + Rows * K)};
+        auto whole_k = [&](auto tiles, const uint32_t* x) {
+          matrix_k_loop<Tile, decltype(tiles)::value>(w.sg, w_rows, K, x, K, stored);
+        };
+        // Scales per K block: each block's sums (token tile j, weight tile i, row r) times the
+        // scale of row n_tile[i] + r, added up in float in ascending k.
+        auto k_blocks = [&](auto tiles, const uint32_t* x) {
+          constexpr int Tiles = decltype(tiles)::value;
+          for (int t = 0; t < Tiles * 2 * Rows; ++t) stored[t * Toks + w.lane] = 0.0f;
+          for (int64_t kb = 0; kb < K; kb += scale_block_k) {
+            const bf16* block_rows[2] = {w_rows[0] + kb, w_rows[1] + kb};
+            const int64_t len = K - kb < scale_block_k ? K - kb : scale_block_k;  // whole engine steps
+            matrix_k_loop<Tile, Tiles>(w.sg, block_rows, K, x + (kb / 2) * Toks, K, block_sums, len);
+            for (int j = 0; j < Tiles; ++j)
+              for (int i = 0; i < 2; ++i) {
+                #pragma unroll 1
+                for (int r = 0; r < Rows; ++r) {
+                  const int64_t at = ((2 * j + i) * Rows + r) * Toks + w.lane;
+                  stored[at] = sycl::fma(block_sums[at], scale_of(g, n_tile[i] + r, kb), stored[at]);
+                }
+              }
+          }
+        };
+        auto column = [&](int64_t n, float& col_scale, float& bias_n) {
+          col_scale = blocked || kFoldedScales<Fmt> ? 1.0f : scale_of(g, n, 0);
+          bias_n = bias != nullptr ? bias[g * bias_stride_e + n] : 0.0f;
+        };
+        if (blocked)
+          matrix_unit_tiles<Tile, Gated>(w, k_blocks, packed, K, stored, n0, second_stored, up_offset, row_begin,
+                                         rows, m_first, m_last, activation, out, out_row_stride, out_rows,
+                                         scatter_index, scatter_is64, row_weight, column);
+        else
+          matrix_unit_tiles<Tile, Gated>(w, whole_k, packed, K, stored, n0, second_stored, up_offset, row_begin,
+                                         rows, m_first, m_last, activation, out, out_row_stride, out_rows,
+                                         scatter_index, scatter_is64, row_weight, column);
+      });
+}
+
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
@@ -538,3 +656,6 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
   template void moe_xpu::moe_gemm_quant<TA, FMT, TOut, TM, TN, GATED, LOOKUP>(MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut));
 #define MOE_XPU_INSTANTIATE_QUANT_MATRIX(TOut, ROWS, TOKS, KSTEP, LANES) \
   template void moe_xpu::moe_gemm_quant_matrix<TOut, ROWS, TOKS, KSTEP, LANES>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut), void*);
+#define MOE_XPU_INSTANTIATE_DEQUANT_MATRIX(FMT, TOut, GATED, ROWS, TOKS, KSTEP, LANES)               \
+  template void moe_xpu::moe_gemm_dequant_matrix<FMT, TOut, GATED, ROWS, TOKS, KSTEP, LANES>(       \
+      MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut), void*);

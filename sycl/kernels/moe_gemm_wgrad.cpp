@@ -21,6 +21,22 @@
 
 namespace moe_xpu {
 
+// dB dense per group in either layout: an empty group's zeros can then be stored as one flat run.
+inline bool wgrad_dense(int64_t K, int64_t N, int64_t stride_e, int64_t stride_k, int64_t stride_n) {
+  return stride_e == K * N && ((stride_k == N && stride_n == 1) || (stride_k == 1 && stride_n == K));
+}
+
+// An empty group's zeros in dense dB: the worker's share of its units [u_lo, u_hi) of `units`, as
+// the same share of its elements, stored consecutively across the lanes. Unit by unit, the empty
+// tiles' bookkeeping cost twice the stores (decode float32, dB of 128 experts into touched memory:
+// 323 ms).
+template <typename TOut>
+inline void store_zero_share(TOut* out_g, int64_t elems, int64_t u_lo, int64_t u_hi, int64_t units,
+                             int lane, int lanes) {
+  const TOut zero = FromFloat<TOut>::convert(0.0f);
+  for (int64_t e = u_lo * elems / units + lane; e < u_hi * elems / units; e += lanes) out_g[e] = zero;
+}
+
 template <typename T, typename TOut, int TK, int TN>
 MOE_XPU_KERNEL
 void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -34,43 +50,21 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
   const int64_t tiles_k = (K + TK - 1) / TK;
   const int64_t tiles = tiles_k * tiles_n;
   const int64_t walked_rows = gather_dy ? a_rows : dy_rows;  // the operand read row by row
-  int64_t total = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, walked_rows, 1, 1,
-                 [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
-                   if (g < num_groups) total += tiles * (row_end - row_begin + 1);
-                   return true;
-                 });
-  const int64_t first = total * w.id / w.count;
-  const int64_t last = total * (w.id + 1) / w.count;
-  // dB dense per group (either layout): an empty group's zeros are stored as one flat run.
-  const bool dense = out_stride_e == K * N && ((out_stride_k == N && out_stride_n == 1) ||
-                                               (out_stride_k == 1 && out_stride_n == K));
-  int64_t base = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, walked_rows, 1, 1,
-                 [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
-    if (g == num_groups || base >= last) return false;
-    const int64_t unit = row_end - row_begin + 1;
-    const int64_t group_end = base + tiles * unit;
-    if (row_begin == row_end && dense) {
-      // The worker's share of the group's units (each of cost 1), as the same share of its
-      // elements: consecutive stores across the lanes, where unit by unit the empty tiles'
-      // bookkeeping cost twice the stores (decode float32, dB of 128 experts into touched memory:
-      // 323 ms).
-      const int64_t t_lo = first > base ? first - base : 0;
-      const int64_t t_hi = last - base < tiles ? last - base : tiles;
-      const int64_t elems = K * N;
-      const int64_t lo = t_lo * elems / tiles, hi = t_hi * elems / tiles;
-      TOut* out_g = out + g * out_stride_e;
-      const TOut zero = FromFloat<TOut>::convert(0.0f);
-      for (int64_t e = lo + w.lane; e < hi; e += kLanes) out_g[e] = zero;
-      base = group_end;
-      return base < last;
+  const bool dense = wgrad_dense(K, N, out_stride_e, out_stride_k, out_stride_n);
+  // Every tile of a group costs its rows' FMAs plus its store.
+  auto shape = [&](int64_t rows, int64_t& units, int64_t& cost) { units = tiles, cost = rows + 1; };
+  for_each_owned_wgrad_units(w.id, w.count, group_offsets, offsets_is64, num_groups, walked_rows, shape,
+                             [&](int64_t g, int64_t row_begin, int64_t rows, int64_t u_lo, int64_t u_hi, int64_t) {
+    const int64_t row_end = row_begin + rows;
+    if (rows == 0 && dense) {
+      store_zero_share(out + g * out_stride_e, K * N, u_lo, u_hi, tiles, w.lane, kLanes);
+      return;
     }
     // Units ordered K tile by K tile, column tiles inside: a worker's consecutive units store
     // along the same TK rows of dB, long runs of consecutive memory (column tiles outside
     // measured 134 vs 85-100 ms on the fused 64tok gate_up gradient, float32). The group's rows
     // of A and dY they read stay in cache either way.
-    for (int64_t t = first > base ? (first - base + unit - 1) / unit : 0; t < tiles && base + t * unit < last; ++t) {
+    for (int64_t t = u_lo; t < u_hi; ++t) {
       const int64_t n0 = (t % tiles_n) * tile_n;
       const int64_t k0 = (t / tiles_n) * TK;
       const bool full = n0 + tile_n <= N;
@@ -140,8 +134,6 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
               out_g[(k0 + i) * out_stride_k + col[j] * out_stride_n] = FromFloat<TOut>::convert(acc[i][j]);
       }
     }
-    base = group_end;
-    return base < last;
   });
 }
 
@@ -156,9 +148,6 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
 // dB across the block's columns, every tile summed over all the group's rows in ascending order,
 // so every element is one engine accumulator in a fixed order: bitwise reproducible for any
 // worker count. Empty groups store zeros as the vector kernel does.
-constexpr int64_t kWgradRowStep = 32;                // rows are padded to whole steps of this
-constexpr int64_t kWgradPackedBudget = 512 * 1024;   // bytes of a worker's packed dY block
-inline int64_t wgrad_padded_rows(int64_t rows) { return (rows + kWgradRowStep - 1) / kWgradRowStep * kWgradRowStep; }
 // Columns of a group's dY blocks: as many whole column-tile pairs as the budget holds at its
 // padded row count (at least one pair).
 inline int64_t wgrad_block_cols(int64_t padded_rows, int64_t N, int64_t pair_cols) {
@@ -167,15 +156,6 @@ inline int64_t wgrad_block_cols(int64_t padded_rows, int64_t N, int64_t pair_col
   const int64_t cols = fit > pair_cols ? fit : pair_cols;
   return cols < all ? cols : all;
 }
-// One worker's scratch: A^T of a unit (at most 32 columns of A over the padded rows), the packed dY
-// block, the four accumulator tiles of the epilogue and four zero tiles. `rows` is every row the
-// launch walks.
-inline int64_t wgrad_matrix_scratch_bytes(int64_t rows) {
-  const int64_t padded = wgrad_padded_rows(rows);
-  const int64_t packed = padded * 64 > kWgradPackedBudget ? padded * 64 : kWgradPackedBudget;
-  return 32 * padded * 2 + packed + 8 * kTileBytes;
-}
-
 template <typename T, typename TOut, int Rows, int Toks, int KStep, int Lanes>
 MOE_XPU_KERNEL_WITH_LANES(Lanes)
 void moe_gemm_matrix_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -193,65 +173,39 @@ void moe_gemm_matrix_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, con
   const int64_t cap = wgrad_padded_rows(walked_rows);
   unsigned char* mine = static_cast<unsigned char*>(scratch) + w.id * wgrad_matrix_scratch_bytes(walked_rows);
   uint32_t* at = reinterpret_cast<uint32_t*>(mine);                        // [KB][padded / 2] row pairs
-  const int64_t packed_bytes = cap * 64 > kWgradPackedBudget ? cap * 64 : kWgradPackedBudget;
   uint32_t* yp = reinterpret_cast<uint32_t*>(mine + 32 * cap * 2);  // [block cols / Toks][padded / 2][Toks]
-  float* stored = reinterpret_cast<float*>(mine + 32 * cap * 2 + packed_bytes);  // [2][2][Rows][Toks]
+  float* stored = reinterpret_cast<float*>(mine + 32 * cap * 2 + wgrad_packed_bytes(cap));  // [2][2][Rows][Toks]
   const float* zeros = zeroed_tiles(stored, Rows * Toks, w.lane, Lanes);
   const int64_t tiles_k = (K + KB - 1) / KB;
   const int64_t pairs_n = (N + PairCols - 1) / PairCols;
   // A group's units and what each costs: engine steps over its padded rows per column-tile pair,
   // plus one for the pair's stores. An empty group: every pair costs 1 (its zeros).
-  auto units_of = [&](int64_t rows, int64_t& units, int64_t& cost, int64_t& block_cols) {
-    if (rows == 0) {
-      block_cols = PairCols;
-      units = tiles_k * pairs_n;
-      cost = 1;
-      return;
-    }
-    const int64_t padded = wgrad_padded_rows(rows);
-    block_cols = wgrad_block_cols(padded, N, PairCols);
-    units = tiles_k * ((pairs_n * PairCols + block_cols - 1) / block_cols);
-    cost = (padded / KStep + 1) * (block_cols / PairCols);
+  auto block_cols_of = [&](int64_t rows) {
+    return rows == 0 ? int64_t(PairCols) : wgrad_block_cols(wgrad_padded_rows(rows), N, PairCols);
   };
-  int64_t total = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, walked_rows, 1, 1,
-                 [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
-                   if (g == num_groups) return true;
-                   int64_t units, cost, cols;
-                   units_of(row_end - row_begin, units, cost, cols);
-                   total += units * cost;
-                   return true;
-                 });
-  const int64_t first = total * w.id / w.count;
-  const int64_t last = total * (w.id + 1) / w.count;
-  const bool dense = out_stride_e == K * N && ((out_stride_k == N && out_stride_n == 1) ||
-                                               (out_stride_k == 1 && out_stride_n == K));
+  auto shape = [&](int64_t rows, int64_t& units, int64_t& cost) {
+    const int64_t block_cols = block_cols_of(rows);
+    units = tiles_k * ((pairs_n * PairCols + block_cols - 1) / block_cols);
+    cost = rows == 0 ? 1 : (wgrad_padded_rows(rows) / KStep + 1) * (block_cols / PairCols);
+  };
+  const bool dense = wgrad_dense(K, N, out_stride_e, out_stride_k, out_stride_n);
   const TOut zero = FromFloat<TOut>::convert(0.0f);
   int64_t held_group = -1, held_block = -1;  // the dY block yp holds
-  int64_t base = 0;
-  for_each_group(group_offsets, offsets_is64, num_groups, walked_rows, 1, 1,
-                 [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
-    if (g == num_groups || base >= last) return false;
-    const int64_t rows = row_end - row_begin;
-    int64_t units, cost, block_cols;
-    units_of(rows, units, cost, block_cols);
-    const int64_t group_end = base + units * cost;
-    const int64_t u_lo = first > base ? (first - base + cost - 1) / cost : 0;
-    const int64_t u_hi = last - base < units * cost ? (last - base + cost - 1) / cost : units;
+  for_each_owned_wgrad_units(w.id, w.count, group_offsets, offsets_is64, num_groups, walked_rows, shape,
+                             [&](int64_t g, int64_t row_begin, int64_t rows, int64_t u_lo, int64_t u_hi, int64_t units) {
     TOut* out_g = out + g * out_stride_e;
     if (rows == 0) {
-      if (dense) {  // the worker's share of the group's elements as one flat run
-        const int64_t elems = K * N, lo = u_lo * elems / units, hi = u_hi * elems / units;
-        for (int64_t e = lo + w.lane; e < hi; e += Lanes) out_g[e] = zero;
+      if (dense) {
+        store_zero_share(out_g, K * N, u_lo, u_hi, units, w.lane, Lanes);
       } else {
         for (int64_t u = u_lo; u < u_hi; ++u)
           for (int64_t k = (u / pairs_n) * KB; k < (u / pairs_n + 1) * KB && k < K; ++k)
             for (int64_t n = (u % pairs_n) * PairCols + w.lane; n < (u % pairs_n + 1) * PairCols && n < N; n += Lanes)
               out_g[k * out_stride_k + n * out_stride_n] = zero;
       }
-      base = group_end;
-      return base < last;
+      return;
     }
+    const int64_t block_cols = block_cols_of(rows);
     const int64_t padded = wgrad_padded_rows(rows);
     const E* at_e = reinterpret_cast<const E*>(at);
     const E* yp_e = reinterpret_cast<const E*>(yp);
@@ -338,8 +292,6 @@ void moe_gemm_matrix_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, con
         }
       }
     }
-    base = group_end;
-    return base < last;
   });
 }
 

@@ -1,10 +1,11 @@
-// The persistent work-group scheduler shared by the forward kernel families (moe_gemm.cpp, the
-// quantized moe_gemm_quant.cpp): a fixed set of workers walks the cumulative group offsets on the
+// The persistent work-group scheduler shared by the kernel families (moe_gemm.cpp, the quantized
+// moe_gemm_quant.cpp, the weight gradient in moe_gemm_wgrad.cpp): a fixed set of workers walks the cumulative group offsets on the
 // device and each takes the work units that start in its equal share of the total cost. Handed to
 // the runtime compiler as an include file.
 #pragma once
 
 #include "common.hpp"
+#include "sizes.hpp"
 
 namespace moe_xpu {
 
@@ -82,8 +83,38 @@ inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void*
       });
 }
 
-// Rows a work unit covers at most: enough to read B once in prefill, few enough that one
-// expert taking every row still spreads over many units.
-constexpr int64_t kUnitRows = 64;
+// The weight-gradient kernels' scheduling (moe_gemm_wgrad.cpp): each group's dB is `units` work
+// units of equal `cost`, shape(rows, units, cost) saying how many for a group of `rows` rows, and
+// each worker runs the units that start in its equal share of the total cost, so one group
+// holding every row still spreads over all workers. Calls group(g, row_begin, rows, u_lo, u_hi,
+// units) for every group of which the worker owns units [u_lo, u_hi), in group order.
+template <typename ShapeFn, typename GroupFn>
+inline void for_each_owned_wgrad_units(int64_t worker, int64_t num_workers, const void* group_offsets,
+                                       int offsets_is64, int64_t num_groups, int64_t rows,
+                                       ShapeFn&& shape, GroupFn&& group) {
+  int64_t total = 0;
+  for_each_group(group_offsets, offsets_is64, num_groups, rows, 1, 1,
+                 [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
+                   if (g == num_groups) return true;
+                   int64_t units, cost;
+                   shape(row_end - row_begin, units, cost);
+                   total += units * cost;
+                   return true;
+                 });
+  const int64_t first = total * worker / num_workers;
+  const int64_t last = total * (worker + 1) / num_workers;
+  int64_t base = 0;
+  for_each_group(group_offsets, offsets_is64, num_groups, rows, 1, 1,
+                 [&](int64_t g, int64_t row_begin, int64_t row_end, int64_t, int64_t) {
+                   if (g == num_groups || base >= last) return false;
+                   int64_t units, cost;
+                   shape(row_end - row_begin, units, cost);
+                   const int64_t u_lo = first > base ? (first - base + cost - 1) / cost : 0;
+                   const int64_t u_hi = last - base < units * cost ? (last - base + cost - 1) / cost : units;
+                   if (u_lo < u_hi) group(g, row_begin, row_end - row_begin, u_lo, u_hi, units);
+                   base += units * cost;
+                   return base < last;
+                 });
+}
 
 }  // namespace moe_xpu

@@ -1,0 +1,72 @@
+// Sizes that the kernels and the host launcher must agree on: work-unit rows, the vector kernels'
+// local-memory tiles, the matrix-engine tile and every worker's scratch area. Plain C++ with no
+// SYCL, so the host (g++, sycl/variants.cpp) includes the same file the runtime compiler gets.
+#pragma once
+
+#include <cstdint>
+
+namespace moe_xpu {
+
+// Rows a work unit covers at most: enough to read B once in prefill, few enough that one
+// expert taking every row still spreads over many units.
+constexpr std::int64_t kUnitRows = 64;
+
+// N-split tiles at most this many vectors wide keep their sums in registers; wider one-row tiles
+// (the CPU's decode tile) stream B rows with their sums in work-group local memory.
+constexpr int kRegisterTileVectors = 32;
+// Room for the N-split kernel's partial sums in work-group local memory, in tiles (see
+// n_lanes_unit_shape in moe_gemm.cpp).
+constexpr std::int64_t kNLanesPartialTiles = 192;
+
+// AMX's engine tile, which the N-contiguous matrix kernel is written for:
+constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
+constexpr int kMatToks = 16;  // tokens per engine tile
+constexpr int kMatK = 32;     // k per engine step (bf16)
+constexpr int kMatTokTiles = int(kUnitRows) / kMatToks;
+
+// The N-contiguous matrix kernel's unit: up to kKnCols columns, so that for N <= kKnCols a chunk
+// of B rows is one contiguous block of memory, read as one sequential stream (the hardware
+// prefetchers follow it; units of 256 or 1024 columns read B rows in short pieces and measured
+// 1.7-2x slower on the bench's [E, K, N] cases), K walked one engine step (kKnChunk) at a time
+// (chunks of 64 measured 1.2-1.4x slower).
+constexpr int kKnCols = 4096;
+constexpr int kKnChunk = 32;
+constexpr int kKnTiles = kKnCols / kMatRows;
+
+// One worker's scratch area in the forward matrix kernels: the packed A of a row block
+// (kUnitRows x K bf16); for the N-contiguous kernel its packed B chunk and the partial sums of its
+// unit; then the stored accumulator tiles of the epilogue.
+inline std::int64_t matrix_a_bytes(std::int64_t K) { return kUnitRows * K * 2; }
+constexpr std::int64_t kTileBytes = kMatRows * kMatToks * 4;
+constexpr std::int64_t kKnPackedBytes = std::int64_t(kKnChunk) * kKnCols * 2;
+constexpr std::int64_t kKnPartialBytes = std::int64_t(kMatTokTiles) * kKnTiles * kTileBytes;
+inline std::int64_t matrix_scratch_bytes(std::int64_t K, bool kn) {
+  return matrix_a_bytes(K) + (kn ? kKnPackedBytes + kKnPartialBytes : 0) + 4 * kTileBytes;
+}
+
+// ... and in the dequantizing one (moe_gemm_quant.cpp): the same, then the unit's two weight
+// tiles' rows dequantized to bf16 (at most 2 x 16 rows of K) and four tiles of K-block sums.
+inline std::int64_t dequant_matrix_scratch_bytes(std::int64_t K) {
+  return matrix_scratch_bytes(K, false) + 2 * kMatRows * K * 2 + 4 * kTileBytes;
+}
+
+// The matrix weight gradient (moe_gemm_wgrad.cpp): a group's rows are padded to whole steps of
+// kWgradRowStep, and a worker holds a packed block of dY of up to kWgradPackedBudget bytes (one
+// column-tile pair's worth, 64 bytes a row, when a group has more rows than that budget holds).
+constexpr std::int64_t kWgradRowStep = 32;
+constexpr std::int64_t kWgradPackedBudget = 512 * 1024;
+inline std::int64_t wgrad_padded_rows(std::int64_t rows) {
+  return (rows + kWgradRowStep - 1) / kWgradRowStep * kWgradRowStep;
+}
+inline std::int64_t wgrad_packed_bytes(std::int64_t padded_rows) {
+  return padded_rows * 64 > kWgradPackedBudget ? padded_rows * 64 : kWgradPackedBudget;
+}
+// One worker's scratch: A^T of a unit (at most 32 columns of A over the padded rows), the packed dY
+// block, the four accumulator tiles of the epilogue and four zero tiles. `rows` is every row the
+// launch walks.
+inline std::int64_t wgrad_matrix_scratch_bytes(std::int64_t rows) {
+  const std::int64_t padded = wgrad_padded_rows(rows);
+  return 32 * padded * 2 + wgrad_packed_bytes(padded) + 8 * kTileBytes;
+}
+
+}  // namespace moe_xpu
