@@ -543,10 +543,11 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   // 11 -> 16 / 24 -> 32 ms, 0.25 rows 12 -> 15 / 10 -> 17 ms).
   const MatrixShape e = engine_tile(d);
   const bool w8a8 = args.a_dtype == DType::int8;
-  const bool k_contiguous = args.b_stride_k == 1 && args.N % e.m == 0;
+  // (e is all zeros on a device without an engine: every test of its sizes comes after e.m != 0.)
+  const bool k_contiguous = e.m != 0 && args.b_stride_k == 1 && args.N % e.m == 0;
   // Scales per K block (not MXFP4's, folded into its values) in blocks of whole engine steps.
   const bool k_blocks_fit = args.scale_block_k >= args.K || args.dtype == DType::mxfp4 ||
-                            args.scale_block_k % e.k == 0;
+                            (e.k != 0 && args.scale_block_k % e.k == 0);
   const bool matrix_shape =
       k_contiguous && (w8a8 ? engine_takes(d, args.dtype) && args.scale_block_k >= args.K && args.K % (2 * e.k) == 0
                             : args.a_dtype == DType::bfloat16 && dequantizes_to_engine(d, args.dtype, args.out_dtype) &&

@@ -179,6 +179,34 @@ def test_gpu_dequant_matrix_kernels(C, target, dtype):
         assert not matrix, names
 
 
+@pytest.mark.parametrize("target", GPU_TARGETS)
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "mxfp4"])
+def test_gpu_quantized_plan(C, target, fmt):
+    """Planning a quantized launch for each GPU, engine or none (mtl has no XMX, and its engine
+    tile is all zeros: the plan once divided by it): weight-only B with bf16 activations and 16
+    rows a group goes to the dequantizing kernel where the bundle has it, to the vector kernel
+    elsewhere."""
+    import moe_xpu
+    from moe_xpu import quant
+
+    counts, K, N = [16] * 4, 256, 64
+    q = moe_xpu.quantize_experts(torch.randn(4, N, K).transpose(1, 2), fmt)
+    plans = []
+
+    def configure(args):
+        args.variants_for = target
+        plans.append(C.plan_gemm(args))
+        raise StopIteration  # planned only: a GPU's kernels do not run here
+
+    with pytest.raises(StopIteration):
+        quant.run_quant(torch.randn(64, K).to(torch.bfloat16), q, offsets(counts), None, None, None,
+                        torch.float32, configure=configure)
+    # (A CPU code-generation target that cannot build joint_matrix plans without any engine.)
+    dequant = target in XMX and XMX[target][3] == 16 and C.device_info(0).matrix_engine
+    assert plans[0].matrix_engine == dequant, plans[0].kernel_name
+    assert plans[0].kernel_name.startswith("moe_xpu::moe_gemm_dequant_matrix<" if dequant else "moe_xpu::moe_gemm_quant<")
+
+
 @pytest.mark.parametrize("target", ["pvc", "dg2"])
 @pytest.mark.parametrize("gated", [False, True])
 def test_gpu_xmx_variants_run_correctly_on_amx(C, target, gated):
