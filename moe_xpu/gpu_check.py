@@ -279,6 +279,9 @@ def check(targets: list[str], compiler: Compiler, spirv_out: Path | None, work: 
                     (spirv_out / target).mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(spv, spirv_out / target / spv.name)
                 module_builds, module_error = compile_module(compiler, spv, target, work / target / stem)
+                # The ISA dumps take about 1 GB over all targets: free each module's as soon as it is read.
+                shutil.rmtree(work / target / stem, ignore_errors=True)
+                spv.unlink()
                 builds.update(module_builds)
                 error = error or module_error
             if error:
