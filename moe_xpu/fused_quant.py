@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_xpu import _dispatch, fused, torch_fallback
+from moe_xpu import _dispatch, _runtime, fused, torch_fallback
 from moe_xpu.ops import rows_contiguous
-from moe_xpu.quant import QuantizedExperts, run_quant
+from moe_xpu.quant import QuantizedExperts, quant_args, run_quant
 
 
 def _containers(hidden_states, gate_up_data, gate_up_scale, gate_up_zero, gate_up_format, gate_up_block,
@@ -43,14 +43,29 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
     def whole_gather(args):  # slots of experts elsewhere sort past the last group
         args.gather_matches_offsets = False
 
-    # 1. h = act(x[token] @ gate) * (x[token] @ up), float32 rows in expert order.
-    h = run_quant(x, gate_up, group_offsets, None, gather_index, gate_up_bias, torch.float32,
+    # 1. h = act(x[token] @ gate) * (x[token] @ up), rows in expert order: float32, or bf16 in a
+    # bf16 block whose second GEMM runs on the matrix engine (which multiplies bf16; a bf16 model's
+    # own expert block rounds h so too), written at half the bytes instead of rounded in the packing.
+    h_dtype = torch.float32
+    if x.dtype == torch.bfloat16 and _on_matrix_engine(torch.bfloat16, down, group_offsets, T * k):
+        h_dtype = torch.bfloat16
+    h = run_quant(x, gate_up, group_offsets, None, gather_index, gate_up_bias, h_dtype,
                   activation=fused.ACTIVATIONS[activation], up_offset=I, out_columns=I, configure=whole_gather)
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     per_slot = run_quant(h, down, group_offsets, None, None, down_bias, torch.float32,
                          scatter_index=scatter_index, row_weight=weights, out_rows=T * k)
     return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def _on_matrix_engine(a_dtype: torch.dtype, q: QuantizedExperts, group_offsets, rows: int) -> bool:
+    """Whether the launcher plans q's GEMM over ``rows`` rows of ``a_dtype`` A (float32 output)
+    on the matrix engine. Planning reads no tensor values: empty tensors stand for A and the output."""
+    probe = torch.empty(0, q.shape[1], dtype=a_dtype, device=group_offsets.device)
+    out = torch.empty(0, q.shape[2], dtype=torch.float32, device=group_offsets.device)
+    args = quant_args(probe, q, group_offsets, None, None, None, out)
+    args.a_rows = args.out_rows = rows
+    return rows > 0 and _runtime.sycl_module().plan_gemm(args).matrix_engine
 
 
 def _fused_reference(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts, topk_weights, topk_ids,

@@ -464,7 +464,7 @@ def _symmetric_zero(device: torch.device) -> torch.Tensor:
     return zero
 
 
-def _quant_args(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out):
+def quant_args(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out):
     """The launcher's GemmArgs for quantized weights (strides of 8-bit data in bytes, of 4-bit data
     in words)."""
     C = _runtime.sycl_module()
@@ -506,7 +506,7 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
     rows = out_rows if out_rows is not None else (a.shape[0] if gather_index is None else gather_index.shape[0])
     N = out_columns if out_columns is not None else q.shape[2]
     out = torch.empty(rows, N, dtype=out_dtype, device=a.device)
-    args = _quant_args(a, q, group_offsets, a_scale, gather_index, bias, out)
+    args = quant_args(a, q, group_offsets, a_scale, gather_index, bias, out)
     args.N = N
     args.activation, args.up_offset = activation, up_offset
     if scatter_index is not None:

@@ -519,6 +519,28 @@ def test_dequant_engine_is_chosen_where_it_fits(C):
     assert not plan([16] * 4, 256, 64 + 8).matrix_engine                      # N off its tile
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "mxfp4"])
+@pytest.mark.parametrize("routing", ["random", "empty_experts", "one_expert_all"])
+def test_fused_moe_quantized_bf16_on_the_engine(C, fmt, routing):
+    """A bf16 block with quantized weights whose second GEMM plans on the engine gets h in bf16
+    from the first (both GEMMs dequantize into bf16 tiles): against float64 on the dequantized
+    weights within the quantized fused tests' bound, bitwise the same when repeated."""
+    from moe_xpu import fused_quant
+    from test_fused_moe import make_block
+    from test_fused_moe_quant import check, quantize_block
+
+    x, gu, dn, w, ids, biases = make_block(48, 128, 64, 8, 2, torch.bfloat16, routing, bias=True)
+    name, kwargs = DEQUANT_FORMATS[fmt]
+    q1, q2, w1, w2 = quantize_block(gu, dn, name, kwargs)
+    group_offsets = torch.bincount(ids.flatten(), minlength=8).cumsum(0).to(torch.int32)
+    assert fused_quant._on_matrix_engine(torch.bfloat16, q2, group_offsets, ids.numel())
+    out = moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1])
+    check(out, x, w1, w2, w, ids, "silu", biases)
+    assert torch.equal(moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1]), out)
+    decode = fused_quant._on_matrix_engine(torch.bfloat16, q2, group_offsets, 2)  # 0.25 rows a group
+    assert not decode
+
+
 def test_dequant_engine_refused_off_its_shapes(C):
     a, q, _, _ = _dequant_inputs([8, 8], 80, 32, 16, "int8", False, False)
     with pytest.raises(ValueError, match="bf16 tiles"):
