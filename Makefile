@@ -8,6 +8,9 @@ TRANSFORMERS := transformers==5.23.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moe_xpu-installed
 export SYCL_CACHE_PERSISTENT ?= 1
+# The three environments take about 13 GB; pip's wheel cache would add several more (torch 2.8's
+# CUDA packages for the IPEX environment).
+export PIP_NO_CACHE_DIR ?= 1
 export SYCL_CACHE_DIR ?= $(CURDIR)/.cache/sycl
 
 # A second environment on the other SYCL runtime generation (oneAPI 2026.x, libsycl.so.9, the one
