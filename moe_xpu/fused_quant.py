@@ -2,9 +2,10 @@
 
 The same two launches as the float fused MoE (see ``fused.py``), run by the quantized kernel family
 (``sycl/kernels/moe_gemm_quant.cpp``): gate_up reads token rows through the index table and writes
-act(gate) * up in float32; down multiplies each row by its top-k weight and scatters it to its
-(token, slot) place; the slots of a token are then summed in slot order. Both weights stay in their
-quantized format and are dequantized in the k loop.
+act(gate) * up in float32 (bf16 in a bf16 block whose second GEMM runs on the matrix engine); down
+multiplies each row by its top-k weight and scatters it to its (token, slot) place; the slots of a
+token are then summed in slot order. Both weights stay in their quantized format and are
+dequantized in the k loop.
 
 A QuantizedExperts stands for moe_gemm's b, so gate_up_proj [E, 2I, H] is quantized as
 ``gate_up_proj.transpose(1, 2)`` (logical [E, H, 2I]) and down_proj [E, H, I] as
