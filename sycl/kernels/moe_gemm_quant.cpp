@@ -537,6 +537,34 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
 template <typename Fmt>
 constexpr bool kFoldedScales = std::is_same_v<Fmt, Mxfp4Weights>;
 
+// One weight row (K values at b + row: bytes for 8-bit formats, words for 4-bit) dequantized to
+// bf16 bits in dst, exactly: the values without their scale (int8, fp8 and int4's integers less the
+// zero point zero_at(k) are exact in bf16), MXFP4's power-of-two scale folded_scale(k) folded in
+// (exact above 2^-126). Uniform loops over whole sub-group steps (K is whole engine steps): per-lane
+// bounds made every load and store masked.
+template <typename Fmt, int Lanes, typename FoldedScale, typename ZeroAt>
+__attribute__((always_inline)) inline void dequantize_row_bf16(uint16_t* dst, const void* b, int64_t row, int64_t K,
+                                                                int lane, FoldedScale folded_scale, ZeroAt zero_at) {
+  auto bf16_bits = [](float v) { return uint16_t(sycl::bit_cast<uint32_t>(v) >> 16); };
+  if constexpr (Fmt::kBits == 8) {
+    const uint8_t* bytes = static_cast<const uint8_t*>(b) + row;
+    for (int64_t k0 = 0; k0 < K; k0 += Lanes) dst[k0 + lane] = bf16_bits(Fmt::value(bytes[k0 + lane], 0.0f));
+  } else {
+    // Word l of each 128-k block holds k = 16 s + l, s = 0..7 (see the file's head).
+    const uint32_t* words = static_cast<const uint32_t*>(b) + row;
+    for (int64_t kb = 0; kb < K; kb += kPackedK) {
+      const uint32_t word = words[(kb / kPackedK) * kLanes + lane];
+      const int steps = K - kb < kPackedK ? int((K - kb) / kLanes) : 8;
+      for (int step = 0; step < steps; ++step) {
+        const int64_t k0 = kb + int64_t(kLanes) * step;
+        const uint32_t q = (word >> (4 * step)) & 0xfu;
+        if constexpr (kFoldedScales<Fmt>) dst[k0 + lane] = bf16_bits(Fmt::value(q, 0.0f) * folded_scale(k0));
+        else dst[k0 + lane] = bf16_bits(Fmt::value(q, zero_at(k0)));
+      }
+    }
+  }
+}
+
 template <typename Fmt, typename TOut, bool Gated, int Rows, int Toks, int KStep, int Lanes>
 MOE_XPU_KERNEL_WITH_LANES(Lanes)
 void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
@@ -569,39 +597,19 @@ void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_
       out_row_stride, scatter_index, scatter_is64, row_weight,
       pair_packer<Toks, uint16_t>(a, a_row_stride, a_rows, gather_index, gather_is64, K, w.lane, packed),
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n0) {
-        // The two weight tiles' rows dequantized into `values`. Uniform loops over whole sub-group
-        // steps (K is whole engine steps): per-lane bounds made every load and store masked.
+        // The two weight tiles' rows dequantized into `values`.
         int64_t n_tile[2];
         const bool second_stored = unit_weight_tiles<Gated, Rows>(n0, N, up_offset, n_tile);
         for (int i = 0; i < 2; ++i)
           for (int r = 0; r < Rows; ++r) {
             const int64_t n = n_tile[i] + r;
-            uint16_t* dst = values + (i * Rows + r) * K;
-            if constexpr (Fmt::kBits == 8) {
-              const uint8_t* src = static_cast<const uint8_t*>(b) + g * b_stride_e + n * b_stride_n;
-              for (int64_t k0 = 0; k0 < K; k0 += Lanes)
-                dst[k0 + w.lane] = uint16_t(sycl::bit_cast<uint32_t>(Fmt::value(src[k0 + w.lane], 0.0f)) >> 16);
-            } else {
-              // Word l of each 128-k block holds k = 16 s + l, s = 0..7 (see the file's head).
-              const uint32_t* src = static_cast<const uint32_t*>(b) + g * b_stride_e + n * b_stride_n;
-              for (int64_t kb = 0; kb < K; kb += kPackedK) {
-                const uint32_t word = src[(kb / kPackedK) * kLanes + w.lane];
-                const int steps = K - kb < kPackedK ? int((K - kb) / kLanes) : 8;
-                for (int step = 0; step < steps; ++step) {
-                  const int64_t k0 = kb + int64_t(kLanes) * step;
-                  const uint32_t q = (word >> (4 * step)) & 0xfu;
-                  float v;
-                  if constexpr (kFoldedScales<Fmt>) {
-                    v = Fmt::value(q, 0.0f) * scale_of(g, n, k0);
-                  } else {
-                    const float z = float(zero[g * zero_stride_e + (n / scale_block_n) * zero_stride_n +
-                                               (k0 >> block_shift) * zero_stride_k]);
-                    v = Fmt::value(q, z);
-                  }
-                  dst[k0 + w.lane] = uint16_t(sycl::bit_cast<uint32_t>(v) >> 16);  // exact: nothing to round
-                }
-              }
-            }
+            dequantize_row_bf16<Fmt, Lanes>(
+                values + (i * Rows + r) * K, b, g * b_stride_e + n * b_stride_n, K, w.lane,
+                [&](int64_t k) { return scale_of(g, n, k); },
+                [&](int64_t k) {
+                  return float(zero[g * zero_stride_e + (n / scale_block_n) * zero_stride_n +
+                                    (k >> block_shift) * zero_stride_k]);
+                });
           }
         const bf16* w_rows[2] = {reinterpret_cast<const bf16*>(values),
                                  reinterpret_cast<const bf16*>(values + Rows * K)};
