@@ -59,14 +59,22 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
     return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)
 
 
+_ENGINE_PLANS = _dispatch.MetadataTable()
+
+
 def _on_matrix_engine(a_dtype: torch.dtype, q: QuantizedExperts, group_offsets, rows: int) -> bool:
     """Whether the launcher plans q's GEMM over ``rows`` rows of ``a_dtype`` A (float32 output)
-    on the matrix engine. Planning reads no tensor values: empty tensors stand for A and the output."""
+    on the matrix engine. Planning reads no tensor values: empty tensors stand for A and the output.
+    Kept per metadata, so a repeated call (a decode step's shapes) does not plan it again."""
+    key = (a_dtype, q.format, q.shape, q.block, q.data.stride(), group_offsets.shape[0], group_offsets.device, rows)
+    found = _ENGINE_PLANS.get(key)
+    if found is not None:
+        return found
     probe = torch.empty(0, q.shape[1], dtype=a_dtype, device=group_offsets.device)
     out = torch.empty(0, q.shape[2], dtype=torch.float32, device=group_offsets.device)
     args = quant_args(probe, q, group_offsets, None, None, None, out)
     args.a_rows = args.out_rows = rows
-    return rows > 0 and _runtime.sycl_module().plan_gemm(args).matrix_engine
+    return _ENGINE_PLANS.keep(key, rows > 0 and _runtime.sycl_module().plan_gemm(args).matrix_engine)
 
 
 def _fused_reference(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts, topk_weights, topk_ids,

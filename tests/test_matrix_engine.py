@@ -537,8 +537,7 @@ def test_fused_moe_quantized_bf16_on_the_engine(C, fmt, routing):
     out = moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1])
     check(out, x, w1, w2, w, ids, "silu", biases)
     assert torch.equal(moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1]), out)
-    decode = fused_quant._on_matrix_engine(torch.bfloat16, q2, group_offsets, 2)  # 0.25 rows a group
-    assert not decode
+    assert not fused_quant._on_matrix_engine(torch.bfloat16, q2, group_offsets, 2)  # decode: 0.25 rows a group
 
 
 def test_dequant_engine_refused_off_its_shapes(C):
