@@ -68,6 +68,10 @@ def info(warm_up: bool = False) -> None:
         print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP run on the calling thread, larger ones on the "
                                      "runtime's thread pool (MOE_XPU_INLINE_FLOPS)" if limit > 0 else
                                      "all on the runtime's thread pool (MOE_XPU_INLINE_FLOPS=0)"))
+        print("  launches       " + ("prepared launches enqueued through OpenCL, only their changed arguments set "
+                                     "(MOE_XPU_NATIVE_LAUNCH=0: through SYCL)" if C.native_cpu_launches() else
+                                     "through SYCL (MOE_XPU_NATIVE_LAUNCH=0)" if os.environ.get("MOE_XPU_NATIVE_LAUNCH") == "0"
+                                     else "through SYCL"))
         parked = C.parked_openmp_library()
         print("  thread pool    " + (f"torch's OpenMP threads ({os.path.basename(parked)}) sleep while it runs a launch "
                                      "(MOE_XPU_PARK_OPENMP=0: not)" if parked else

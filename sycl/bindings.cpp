@@ -184,6 +184,7 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &moe_xpu::PreparedGemm::launch, py::arg("queue"), py::arg("a"), py::arg("b"),
            py::arg("group_offsets"), py::arg("gather_index"), py::arg("bias"), py::arg("out"),
            py::arg("scatter_index") = 0, py::arg("row_weight") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("native_cpu_launches", &moe_xpu::native_cpu_launches);
   m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::arg("calling_thread") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("parked_openmp_library", &moe_xpu::parked_openmp_library);

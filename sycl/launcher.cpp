@@ -13,7 +13,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -427,7 +429,8 @@ syclex::include_files kernel_headers() {
 
 // SYCL source compiled by the runtime compiler for the queue's device, with the kernels' shared
 // headers as include files (no device libraries: the kernels need none, and loading them costs
-// build time).
+// build time). Arguments a kernel does not read stay in its signature (no dead-argument
+// elimination): native launches (NativeCpuLaunch) set them by their declared index.
 sycl::kernel_bundle<sycl::bundle_state::executable> build_source(sycl::queue& q, const std::string& source,
                                                                  const std::vector<std::string>& names,
                                                                  std::string* log) {
@@ -435,7 +438,8 @@ sycl::kernel_bundle<sycl::bundle_state::executable> build_source(sycl::queue& q,
       q.get_context(), syclex::source_language::sycl, source,
       syclex::properties{kernel_headers()});
   return syclex::build(src, std::vector<sycl::device>{q.get_device()},
-                       syclex::properties{syclex::build_options{std::vector<std::string>{"-fno-sycl-device-lib=all"}},
+                       syclex::properties{syclex::build_options{std::vector<std::string>{
+                                              "-fno-sycl-device-lib=all", "-fno-sycl-dead-args-optimization"}},
                                           syclex::save_log{log}, syclex::registered_names{names}});
 }
 
@@ -586,56 +590,209 @@ ResolvedLaunch resolve(const GemmArgs& args) {
   return r;
 }
 
+// The kernel arguments of a launch of args, in the kernels' order, given to fn as one pack
+// (pointers as void*): the quantized kernels' list, or the vector and matrix kernels' list.
+template <typename Fn>
+void with_kernel_arguments(const GemmArgs& x, Fn&& fn) {
+  auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
+  if (is_quantized(x.dtype)) {
+    fn(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.b), x.b_stride_e,
+       x.b_stride_n, x.b_stride_k, ptr(x.b_scale), x.scale_stride_e, x.scale_stride_n, x.scale_stride_k,
+       x.scale_block_n, x.scale_block_k, ptr(x.b_zero), x.zero_stride_e, x.zero_stride_n, x.zero_stride_k,
+       ptr(x.a_scale), ptr(x.bias), x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows, ptr(x.group_offsets),
+       int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset, ptr(x.scatter_index),
+       int(x.scatter_is_int64), ptr(x.row_weight));
+    return;
+  }
+  const bool k_lanes = x.b_stride_k == 1;
+  fn(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.b), x.b_stride_e,
+     k_lanes ? x.b_stride_n : x.b_stride_k, ptr(x.bias), x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows,
+     ptr(x.group_offsets), int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset,
+     ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));
+}
+
 // Launches args (values already checked, a non-empty output) as r says.
 void submit(const GemmArgs& args, const ResolvedLaunch& r) {
   sycl::queue& q = *r.queue;
   const LaunchPlan& plan = r.plan;
-  // The CPU device's launches complete before the call returns (their inputs are host memory the
-  // caller may free); on the calling thread's queue it is the wait that runs the work-groups.
-  auto finish = [&](sycl::event& done) {
-    if (r.on_calling_thread) q.wait_and_throw();
-    else if (r.cpu_device) with_torch_threads_parked([&] { done.wait_and_throw(); });
-  };
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
-
-  auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size;
   const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
-  const sycl::kernel& kernel = r.built->kernel;
-  if (is_quantized(args.dtype)) {
-    const GemmArgs& x = args;
-    sycl::event done = q.submit([&](sycl::handler& h) {
-      h.set_args(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.b),
-                 x.b_stride_e, x.b_stride_n, x.b_stride_k, ptr(x.b_scale), x.scale_stride_e, x.scale_stride_n,
-                 x.scale_stride_k, x.scale_block_n, x.scale_block_k, ptr(x.b_zero), x.zero_stride_e, x.zero_stride_n,
-                 x.zero_stride_k, ptr(x.a_scale), ptr(x.bias),
-                 x.bias_stride_e, ptr(x.out), x.out_row_stride, x.out_rows, ptr(x.group_offsets),
-                 int(x.offsets_are_int64), x.num_groups, x.K, x.N, x.activation, x.up_offset,
-                 ptr(x.scatter_index), int(x.scatter_is_int64), ptr(x.row_weight));
-      if (plan.matrix_engine) h.set_arg(35, scratch);
-      h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
-    });
-    if (scratch_lock.owns_lock()) scratch_lock.unlock();
-    finish(done);
-    return;
-  }
-  const bool k_lanes = args.b_stride_k == 1;
-  const std::int64_t b_stride_other = k_lanes ? args.b_stride_n : args.b_stride_k;
   sycl::event done = q.submit([&](sycl::handler& h) {
-    h.set_args(ptr(args.a), args.a_row_stride, args.a_rows, ptr(args.gather_index),
-               int(args.gather_is_int64), ptr(args.b), args.b_stride_e, b_stride_other,
-               ptr(args.bias), args.bias_stride_e, ptr(args.out), args.out_row_stride,
-               args.out_rows, ptr(args.group_offsets), int(args.offsets_are_int64),
-               args.num_groups, args.K, args.N, args.activation, args.up_offset,
-               ptr(args.scatter_index), int(args.scatter_is_int64),
-               ptr(args.row_weight));
-    if (plan.matrix_engine) h.set_arg(23, scratch);
-    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, kernel);
+    with_kernel_arguments(args, [&](auto... values) {
+      if (plan.matrix_engine) h.set_args(values..., scratch);  // the scratch area is the kernels' last argument
+      else h.set_args(values...);
+    });
+    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, r.built->kernel);
   });
   if (scratch_lock.owns_lock()) scratch_lock.unlock();
-  finish(done);
+  // The CPU device's launches complete before the call returns (their inputs are host memory the
+  // caller may free); on the calling thread's queue it is the wait that runs the work-groups.
+  if (r.on_calling_thread) q.wait_and_throw();
+  else if (r.cpu_device) with_torch_threads_parked([&] { done.wait_and_throw(); });
+}
+
+// The OpenCL entry points of a native launch, looked up in the ICD loader the runtime's OpenCL
+// adapter has loaded (the module does not link against OpenCL).
+struct OpenClCalls {
+  cl_kernel (*clone_kernel)(cl_kernel, cl_int*) = nullptr;
+  cl_int (*release_kernel)(cl_kernel) = nullptr;
+  cl_int (*set_arg)(cl_kernel, cl_uint, std::size_t, const void*) = nullptr;
+  cl_int (*set_pointer_arg)(cl_kernel, cl_uint, const void*) = nullptr;  // clSetKernelArgMemPointerINTEL
+  cl_int (*enqueue)(cl_command_queue, cl_kernel, cl_uint, const std::size_t*, const std::size_t*,
+                    const std::size_t*, cl_uint, const cl_event*, cl_event*) = nullptr;
+  cl_int (*finish)(cl_command_queue) = nullptr;
+  cl_int (*release_queue)(cl_command_queue) = nullptr;
+  cl_int (*wait)(cl_uint, const cl_event*) = nullptr;
+  cl_int (*release_event)(cl_event) = nullptr;
+};
+
+const OpenClCalls* opencl_calls_or_null(cl_device_id device) {
+  static const OpenClCalls* calls = [device]() -> const OpenClCalls* {
+    void* lib = dlopen("libOpenCL.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    auto* c = new OpenClCalls();
+    c->clone_kernel = reinterpret_cast<decltype(c->clone_kernel)>(dlsym(lib, "clCloneKernel"));
+    c->release_kernel = reinterpret_cast<decltype(c->release_kernel)>(dlsym(lib, "clReleaseKernel"));
+    c->set_arg = reinterpret_cast<decltype(c->set_arg)>(dlsym(lib, "clSetKernelArg"));
+    c->enqueue = reinterpret_cast<decltype(c->enqueue)>(dlsym(lib, "clEnqueueNDRangeKernel"));
+    c->finish = reinterpret_cast<decltype(c->finish)>(dlsym(lib, "clFinish"));
+    c->release_queue = reinterpret_cast<decltype(c->release_queue)>(dlsym(lib, "clReleaseCommandQueue"));
+    c->wait = reinterpret_cast<decltype(c->wait)>(dlsym(lib, "clWaitForEvents"));
+    c->release_event = reinterpret_cast<decltype(c->release_event)>(dlsym(lib, "clReleaseEvent"));
+    using GetInfo = cl_int (*)(cl_device_id, cl_device_info, std::size_t, void*, std::size_t*);
+    using GetAddress = void* (*)(cl_platform_id, const char*);
+    auto get_info = reinterpret_cast<GetInfo>(dlsym(lib, "clGetDeviceInfo"));
+    auto get_address = reinterpret_cast<GetAddress>(dlsym(lib, "clGetExtensionFunctionAddressForPlatform"));
+    cl_platform_id platform = nullptr;
+    if (get_info != nullptr && get_address != nullptr &&
+        get_info(device, CL_DEVICE_PLATFORM, sizeof(platform), &platform, nullptr) == CL_SUCCESS)
+      c->set_pointer_arg = reinterpret_cast<decltype(c->set_pointer_arg)>(get_address(platform, "clSetKernelArgMemPointerINTEL"));
+    if (c->clone_kernel && c->release_kernel && c->set_arg && c->set_pointer_arg && c->enqueue && c->finish &&
+        c->release_queue && c->wait && c->release_event)
+      return c;
+    delete c;
+    return nullptr;
+  }();
+  return calls;
+}
+
+// The OpenCL calls of native launches on q (see NativeCpuLaunch), or null where they go through
+// SYCL: not the CPU device on OpenCL, or MOE_XPU_NATIVE_LAUNCH=0.
+const OpenClCalls* native_calls_or_null(sycl::queue& q) {
+  static const bool disabled = [] {
+    const char* v = std::getenv("MOE_XPU_NATIVE_LAUNCH");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  if (disabled || q.get_backend() != sycl::backend::opencl || !q.get_device().is_cpu()) return nullptr;
+  return opencl_calls_or_null(sycl::get_native<sycl::backend::opencl>(q.get_device()));
+}
+
+// A launch on the CPU device enqueued through OpenCL, on a clone of the built kernel that keeps
+// the arguments of its previous launch: a repeated launch sets only the arguments that changed
+// (the data pointers) and skips the SYCL handler: a small launch's host time is mostly the
+// runtime's work per argument and per command. Same kernel, same work-groups, same bits as a
+// launch through SYCL.
+// MOE_XPU_NATIVE_LAUNCH=0 launches through SYCL.
+class NativeCpuLaunch {
+ public:
+  static std::unique_ptr<NativeCpuLaunch> make(sycl::queue& q, const sycl::kernel& kernel, std::int64_t global,
+                                               std::int64_t local, bool on_calling_thread) {
+    const OpenClCalls* cl = native_calls_or_null(q);
+    if (cl == nullptr) return nullptr;
+    cl_kernel built = sycl::get_native<sycl::backend::opencl>(kernel);
+    cl_int err = CL_SUCCESS;
+    cl_kernel clone = cl->clone_kernel(built, &err);
+    cl->release_kernel(built);
+    if (err != CL_SUCCESS || clone == nullptr) return nullptr;
+    auto launch = std::unique_ptr<NativeCpuLaunch>(new NativeCpuLaunch());
+    launch->cl_ = cl;
+    launch->kernel_ = clone;
+    launch->queue_ = sycl::get_native<sycl::backend::opencl>(q);
+    launch->global_ = std::size_t(global);
+    launch->local_ = std::size_t(local);
+    launch->on_calling_thread_ = on_calling_thread;
+    return launch;
+  }
+  ~NativeCpuLaunch() {
+    cl_->release_kernel(kernel_);
+    cl_->release_queue(queue_);
+  }
+
+  // Enqueues the kernel with these arguments (in order, pointers as pointers), while the caller
+  // holds what the arguments need held (the scratch lock), and returns a wait for it: called
+  // after those are released, it waits as a launch through SYCL would (on the calling thread's
+  // queue the wait runs the work-groups; the thread pool's with torch's threads parked).
+  template <typename... Args>
+  std::function<void()> enqueue(const Args&... values) {
+    cl_event done = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      int index = 0;
+      (set(index++, values), ...);
+      check(cl_->enqueue(queue_, kernel_, 1, nullptr, &global_, &local_, 0, nullptr, on_calling_thread_ ? nullptr : &done),
+            "clEnqueueNDRangeKernel");
+    }
+    if (on_calling_thread_) return [this] { check(cl_->finish(queue_), "clFinish"); };
+    return [this, done] {
+      cl_int waited = CL_SUCCESS;
+      with_torch_threads_parked([&] { waited = cl_->wait(1, &done); });
+      cl_->release_event(done);
+      check(waited, "clWaitForEvents");
+    };
+  }
+
+ private:
+  NativeCpuLaunch() = default;
+  static void check(cl_int err, const char* what) {
+    if (err != CL_SUCCESS)
+      throw std::runtime_error(std::string("moe_xpu: ") + what + " failed with OpenCL error " + std::to_string(err));
+  }
+  template <typename T>
+  void set(int index, const T& value) {
+    if (std::size_t(index) >= last_.size()) last_.resize(index + 1);
+    std::string& last = last_[index];
+    const char* bytes = reinterpret_cast<const char*>(&value);
+    if (last.size() == sizeof(T) && std::memcmp(last.data(), bytes, sizeof(T)) == 0) return;
+    if constexpr (std::is_pointer_v<T>)
+      check(cl_->set_pointer_arg(kernel_, cl_uint(index), value), "clSetKernelArgMemPointerINTEL");
+    else
+      check(cl_->set_arg(kernel_, cl_uint(index), sizeof(T), &value), "clSetKernelArg");
+    last.assign(bytes, sizeof(T));
+  }
+  const OpenClCalls* cl_ = nullptr;
+  cl_kernel kernel_ = nullptr;
+  cl_command_queue queue_ = nullptr;
+  std::size_t global_ = 0, local_ = 0;
+  bool on_calling_thread_ = false;
+  std::mutex mutex_;
+  std::vector<std::string> last_;  // each argument's bytes as last set
+};
+
+// A prepared launch's native enqueue (see NativeCpuLaunch), or null where launches go through SYCL.
+std::unique_ptr<NativeCpuLaunch> native_launch_or_null(const ResolvedLaunch& r) {
+  if (!r.cpu_device) return nullptr;
+  const std::int64_t wg = r.plan.work_group_size;
+  return NativeCpuLaunch::make(*r.queue, r.built->kernel, r.plan.num_workers / (wg / r.plan.sub_group_size) * wg, wg,
+                               r.on_calling_thread);
+}
+
+// Launches args (values already checked, a non-empty output) through the native enqueue.
+void submit_native(const GemmArgs& args, const ResolvedLaunch& r, NativeCpuLaunch& native) {
+  std::function<void()> wait;
+  {
+    std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
+    if (r.plan.matrix_engine) scratch_lock.lock();
+    with_kernel_arguments(args, [&](const auto&... values) {
+      if (r.plan.matrix_engine)  // the scratch area is the kernels' last argument
+        wait = native.enqueue(values..., scratch_for(*r.queue, std::size_t(r.plan.num_workers * r.plan.scratch_bytes)));
+      else
+        wait = native.enqueue(values...);
+    });
+  }
+  wait();
 }
 
 }  // namespace
@@ -648,10 +805,16 @@ void moe_gemm(const GemmArgs& args) {
 
 struct PreparedGemm::Resolved {
   ResolvedLaunch launch;
+  std::unique_ptr<NativeCpuLaunch> native;  // null: launched through SYCL
 };
 
 PreparedGemm::PreparedGemm(const GemmArgs& args) : args_(args) {
-  if (args.out_rows != 0 && args.N != 0) resolved_ = std::make_shared<Resolved>(Resolved{resolve(args)});
+  if (args.out_rows != 0 && args.N != 0) {
+    auto r = std::make_shared<Resolved>();
+    r->launch = resolve(args);
+    r->native = native_launch_or_null(r->launch);
+    resolved_ = r;
+  }
 }
 
 const LaunchPlan& PreparedGemm::plan() const {
@@ -675,6 +838,7 @@ void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t
   // Another queue (another XPU stream) may be another device: plan afresh.
   if (resolved_ == nullptr || queue != args_.queue) return moe_gemm(args);
   if (queue == 0) check_host_values(args);
+  if (resolved_->native) return submit_native(args, resolved_->launch, *resolved_->native);
   submit(args, resolved_->launch);
 }
 
@@ -716,9 +880,13 @@ void moe_gemm_wgrad(const WgradArgs& args) {
 void launch_empty(std::uintptr_t queue, bool calling_thread) {
   sycl::queue* inline_queue = calling_thread && queue == 0 ? calling_thread_queue_or_null() : nullptr;
   sycl::queue& q = inline_queue != nullptr ? *inline_queue : queue_for(queue);
-  static auto* kernels = new std::unordered_map<std::string, sycl::kernel>();
-  const std::string key = queue_key(q);
-  const sycl::kernel* kernel = nullptr;
+  struct Empty {
+    sycl::kernel kernel;
+    std::unique_ptr<NativeCpuLaunch> native;  // as prepared CPU launches enqueue
+  };
+  static auto* kernels = new std::unordered_map<std::string, Empty>();
+  const std::string key = queue_key(q) + (inline_queue != nullptr ? "/calling thread" : "");
+  Empty* empty = nullptr;
   {
     std::lock_guard<std::mutex> lock(state_mutex());
     auto found = kernels->find(key);
@@ -729,16 +897,25 @@ void launch_empty(std::uintptr_t queue, bool calling_thread) {
           "(sycl::ext::oneapi::experimental::nd_range_kernel<1>)) void moe_xpu_empty(int*) {}\n";
       std::string log;
       auto exe = build_source(q, source, {"moe_xpu_empty"}, &log);
-      found = kernels->emplace(key, exe.ext_oneapi_get_kernel("moe_xpu_empty")).first;
+      sycl::kernel k = exe.ext_oneapi_get_kernel("moe_xpu_empty");
+      std::unique_ptr<NativeCpuLaunch> native =
+          queue == 0 ? NativeCpuLaunch::make(q, k, kSubGroupSize, kSubGroupSize, inline_queue != nullptr) : nullptr;
+      found = kernels->emplace(key, Empty{k, std::move(native)}).first;
     }
-    kernel = &found->second;
+    empty = &found->second;
   }
+  if (empty->native) return empty->native->enqueue(static_cast<int*>(nullptr))();
   sycl::event done = q.submit([&](sycl::handler& h) {
     h.set_args(static_cast<int*>(nullptr));
-    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, *kernel);
+    h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, empty->kernel);
   });
   if (inline_queue != nullptr) q.wait_and_throw();
   else if (queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
+}
+
+bool native_cpu_launches() {
+  sycl::queue* q = cpu_queue_or_null();
+  return q != nullptr && native_calls_or_null(*q) != nullptr;
 }
 
 std::string parked_openmp_library() {

@@ -581,6 +581,64 @@ def test_calling_thread_and_thread_pool_give_the_same_bits(dtype, layout, C):
     assert torch.equal(pool, inline) and not inline.isnan().any()
 
 
+# Problems for test_native_and_sycl_launches_give_the_same_bits, run in this process and in one
+# launching through SYCL: calling thread and thread pool, both weight layouts, gather and bias,
+# the matrix engine's bf16 and W8A8 kernels where the CPU has them, int4 weights and fused_moe.
+NATIVE_LAUNCH_PROBLEMS = """
+import torch, moe_xpu
+g = torch.Generator().manual_seed(7)
+def offs(counts):
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+outs = []
+for T, K, N, dtype in [(8, 128, 64, torch.float32), (300, 256, 160, torch.float32), (96, 128, 96, torch.bfloat16),
+                       (300, 256, 192, torch.bfloat16)]:
+    a = torch.randn(T, K, generator=g).to(dtype)
+    counts = [T // 4, 0, T - T // 4 - 5, 5]
+    gi = torch.randint(0, T, (T,), generator=g)
+    bias = torch.randn(4, N, generator=g).to(dtype)
+    kn = torch.randn(4, K, N, generator=g).to(dtype)
+    linear = torch.randn(4, N, K, generator=g).to(dtype).transpose(1, 2)
+    for b in (kn, linear):
+        outs += [moe_xpu.moe_gemm(a, b, offs(counts)), moe_xpu.moe_gemm(a, b, offs(counts), gather_index=gi, bias=bias)]
+    q = moe_xpu.quantize_experts(linear.float(), "int4", group_size=32)
+    outs.append(moe_xpu.moe_gemm(a, q, offs(counts)))
+    qa, sa = moe_xpu.quantize_per_token(a.float())
+    q8 = moe_xpu.quantize_experts(linear.float(), "int8")
+    outs.append(moe_xpu.moe_gemm(qa, q8, offs(counts), a_scale=sa))
+x = torch.randn(40, 128, generator=g)
+w, ids = torch.randn(40, 6, generator=g).softmax(-1).topk(2, dim=1)
+outs.append(moe_xpu.fused_moe(x, torch.randn(6, 2 * 96, 128, generator=g), torch.randn(6, 128, 96, generator=g), w, ids))
+"""
+
+
+def test_native_and_sycl_launches_give_the_same_bits(C):
+    """Prepared CPU launches are enqueued through OpenCL on a clone of the built kernel, setting
+    only the arguments that changed: the same kernels and work-groups as a launch through SYCL
+    (MOE_XPU_NATIVE_LAUNCH=0), so the same bits, for every kernel family and both executors."""
+    import subprocess
+    import sys
+    import tempfile
+
+    assert C.native_cpu_launches()
+    here: dict = {}
+    exec(NATIVE_LAUNCH_PROBLEMS, here)
+    again: dict = {}
+    exec(NATIVE_LAUNCH_PROBLEMS, again)  # repeated launches: arguments kept from the previous ones
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "outs.pt")
+        script = (NATIVE_LAUNCH_PROBLEMS + "from moe_xpu import _runtime\n"
+                  "assert not _runtime.sycl_module().native_cpu_launches()\n"
+                  f"torch.save(outs, {path!r})\n")
+        env = dict(os.environ, MOE_XPU_NATIVE_LAUNCH="0")
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        through_sycl = torch.load(path)
+    assert len(here["outs"]) == len(through_sycl) == 25
+    for native, repeated, sycl in zip(here["outs"], again["outs"], through_sycl):
+        assert torch.equal(native, sycl) and torch.equal(repeated, sycl)
+        assert not native.isnan().any()
+
+
 def test_quantized_launch_on_the_calling_thread_gives_the_same_bits(C):
     from moe_xpu import quant
 
