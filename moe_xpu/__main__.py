@@ -65,8 +65,11 @@ def info(warm_up: bool = False) -> None:
               f"(rows x columns per lane group; decode shape first); 4-bit weights decoded "
               f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
         limit = t["inline_flops"]
-        print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP run on the calling thread, larger ones on the "
-                                     "runtime's thread pool (MOE_XPU_INLINE_FLOPS)" if limit > 0 else
+        weights = t["inline_bytes"]
+        print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP" +
+                                     (f" and {weights / 2**20:.1f} MiB of weights" if weights < 1e18 else "") +
+                                     " run on the calling thread, larger ones on the runtime's thread pool "
+                                     "(MOE_XPU_INLINE_FLOPS)" if limit > 0 else
                                      "all on the runtime's thread pool (MOE_XPU_INLINE_FLOPS=0)"))
         print("  launches       " + ("prepared launches enqueued through OpenCL, only their changed arguments set "
                                      "(MOE_XPU_NATIVE_LAUNCH=0: through SYCL)" if C.native_cpu_launches() else

@@ -17,6 +17,20 @@ enum class DType : int { float32 = 0, float16 = 1, bfloat16 = 2, int8 = 3, int4 
 // B is stored quantized (the quantized kernel family runs).
 inline bool is_quantized(DType t) { return static_cast<int>(t) >= static_cast<int>(DType::int8); }
 
+// Bits of one stored value of B (quantized formats: without their scales).
+inline int stored_bits(DType t) {
+  switch (t) {
+    case DType::float32: return 32;
+    case DType::float16:
+    case DType::bfloat16: return 16;
+    case DType::int8:
+    case DType::fp8_e4m3: return 8;
+    case DType::int4:
+    case DType::mxfp4: return 4;
+  }
+  return 32;
+}
+
 // Everything one grouped GEMM launch needs; pointers are device (or, on the CPU device, host)
 // addresses, strides are in elements. Filled in by the Python op layer.
 struct GemmArgs {
@@ -132,7 +146,7 @@ struct LaunchPlan {
   bool matrix_engine = false;
   std::int64_t scratch_bytes = 0;
   // CPU device: the work-groups run one after another on the calling thread (see
-  // inline_flops_limit in variants.cpp) instead of on the runtime's thread pool. Same work-groups,
+  // inline_flops_limit and inline_bytes_limit in variants.cpp) instead of on the runtime's thread pool. Same work-groups,
   // same bits.
   bool calling_thread = false;
 };

@@ -153,16 +153,36 @@ std::string cpu_vector_class(const DeviceDescription& d) { return d.is_cpu ? cpu
 // OpenMP threads parked): 3.5 MFLOP of the vector kernels on one core, scaled by n / (n - 1).
 // 2-core AMD EPYC, AVX2, each launch right after a grouped_mm, median of 200: calling thread vs
 // pool 2.1 MFLOP 134 vs 153 us, 4.2 MFLOP 210 vs 232 and 214 vs 237 us, 6.3 MFLOP 270 vs 312 us,
-// 8.4 MFLOP 616 vs 472 us. MOE_XPU_INLINE_FLOPS overrides it (0: never).
-double inline_flops_limit(const DeviceDescription& d) {
+// 8.4 MFLOP 616 vs 472 us. MOE_XPU_INLINE_FLOPS overrides it (0: never), and then alone decides.
+namespace {
+double forced_inline_flops() {
   static const double forced = []() {
     const char* v = std::getenv("MOE_XPU_INLINE_FLOPS");
     return v != nullptr && *v != '\0' ? std::max(0.0, std::atof(v)) : -1.0;
   }();
+  return forced;
+}
+}  // namespace
+
+double inline_flops_limit(const DeviceDescription& d) {
   if (!d.is_cpu) return 0.0;
-  if (forced >= 0.0) return forced;
+  if (forced_inline_flops() >= 0.0) return forced_inline_flops();
   const double n = double(std::max<std::int64_t>(d.compute_units, 1));
   return n > 1.0 ? 3.5e6 * n / (n - 1.0) : 1.0e12;
+}
+
+// The same balance for the weights a launch streams: B / w = B / (n w) + o gives B = o w n / (n - 1)
+// for one core's streaming rate w (about 15 GB/s: a memory-bound launch is bound by the reads one
+// core can keep in flight) and o as above: 1.5 MB on one core, scaled by n / (n - 1). The FLOP limit
+// alone kept launches of few FLOPs but many weight bytes (decode: a row or two per expert) on one
+// core, and right after torch ops, whose OpenMP threads then spin, the pool ran them faster (2-core
+// Xeon, a torch linear before each launch, medians of 280: 4 rows over 32 experts, K 512, N 512,
+// 4 MB of weights: pool 115-187 vs calling thread 148-263 us; N 256, 2 MB: 100-130 vs 89-118 us).
+double inline_bytes_limit(const DeviceDescription& d) {
+  if (!d.is_cpu) return 0.0;
+  if (forced_inline_flops() >= 0.0) return 1.0e18;
+  const double n = double(std::max<std::int64_t>(d.compute_units, 1));
+  return n > 1.0 ? 1.5e6 * n / (n - 1.0) : 1.0e18;
 }
 
 // 4-bit weights are decoded by a table lookup across the sub-group where a 16-lane permute is one
@@ -508,13 +528,18 @@ std::int64_t forward_workers(const GemmArgs& args, const LaunchPlan& plan, const
   return worker_count(d, workers_per_cu, flops, args.num_workers, max_units, subgroups_per_wg);
 }
 
-// Whether a forward launch runs on the calling thread (CPU device; see inline_flops_limit), or as
+// Whether a forward launch runs on the calling thread (CPU device; see inline_flops_limit and
+// inline_bytes_limit), or as
 // the launch asks (GemmArgs::calling_thread).
 bool runs_on_calling_thread(const GemmArgs& args, const DeviceDescription& d) {
   if (!d.is_cpu || args.calling_thread == 1) return false;
   if (args.calling_thread == 2) return true;
-  const double flops = 2.0 * double(args.out_rows) * double(args.K) * double(args.N) * (args.activation != 0 ? 2.0 : 1.0);
-  return flops <= inline_flops_limit(d);
+  const double columns = double(args.N) * (args.activation != 0 ? 2.0 : 1.0);  // gated: gate and up columns
+  const double flops = 2.0 * double(args.out_rows) * double(args.K) * columns;
+  // The weights it may stream: every row in a group of its own at most (no routing counts on the host).
+  const double groups = double(std::min(args.num_groups, args.out_rows));
+  const double weight_bytes = groups * double(args.K) * columns * double(stored_bits(args.dtype)) / 8.0;
+  return flops <= inline_flops_limit(d) && weight_bytes <= inline_bytes_limit(d);
 }
 
 // The plan of a launch with quantized B: the quantized family (gated with an activation), the

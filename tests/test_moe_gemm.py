@@ -693,14 +693,21 @@ def test_thread_pool_launches_park_torchs_openmp_threads(C, monkeypatch):
 
 
 def test_only_small_cpu_launches_run_on_the_calling_thread(C):
-    """The plan says where a launch runs: on the calling thread up to the device's limit
-    (``python -m moe_xpu info`` prints it; MOE_XPU_INLINE_FLOPS sets it), on the thread pool above."""
-    limit = C.device_description(0)["inline_flops"]
-    for T, K, N in [(8, 128, 64), (64, 128, 128), (256, 512, 256), (2048, 1024, 1024)]:
-        a, b = torch.randn(T, K), torch.randn(8, K, N)
-        offs = offsets([T // 8] * 8)
+    """The plan says where a launch runs: on the calling thread up to the device's limits of FLOPs
+    and of weight bytes it may stream (``python -m moe_xpu info`` prints them; MOE_XPU_INLINE_FLOPS
+    sets the first and then alone decides), on the thread pool above either."""
+    description = C.device_description(0)
+    limit, weight_limit = description["inline_flops"], description["inline_bytes"]
+    if "MOE_XPU_INLINE_FLOPS" not in os.environ and description["compute_units"] > 1:
+        assert 0 < weight_limit < 1e18
+    # (T, E, K, N): few rows over many experts stream many weight bytes for few FLOPs.
+    for T, E, K, N in [(8, 8, 128, 64), (64, 8, 128, 128), (256, 8, 512, 256), (2048, 8, 1024, 1024),
+                       (4, 32, 512, 1024), (2, 64, 256, 256)]:
+        a, b = torch.randn(T, K), torch.randn(E, K, N)
+        offs = offsets([T // E] * E if T >= E else [1] * T + [0] * (E - T))
         args = ops.gemm_args(a, b, offs, None, None, torch.empty(T, N))
-        assert C.plan_gemm(args).calling_thread == (2.0 * T * K * N <= limit)
+        streamed = min(T, E) * K * N * 4
+        assert C.plan_gemm(args).calling_thread == (2.0 * T * K * N <= limit and streamed <= weight_limit)
         args.calling_thread = 1
         assert not C.plan_gemm(args).calling_thread
         args.calling_thread = 2
