@@ -19,6 +19,8 @@ the tokens are not expected to be identical.
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import time
 
 import torch
@@ -55,16 +57,33 @@ def build(config, implementation: str, dtype):
 
 def generate(model, prompt: torch.Tensor, new_tokens: int):
     with torch.no_grad():
-        model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up (and kernel build)
         start = time.perf_counter()
         tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     return tokens, time.perf_counter() - start
+
+
+def generate_both(ours, eager, prompt: torch.Tensor, new_tokens: int, runs: int = 3):
+    """Each model's tokens and median generation time over ``runs`` runs, the two models
+    alternating (a slow spell of the machine falls on both alike), after a warm-up each."""
+    for model in (ours, eager):
+        generate(model, prompt, 2)  # warm-up (and kernel build)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(runs):
+        for i, model in enumerate((ours, eager)):
+            tokens, seconds = generate(model, prompt, new_tokens)
+            times[i].append(seconds)
+            if i == 0:
+                ours_tokens = tokens
+            else:
+                eager_tokens = tokens
+    return ours_tokens, statistics.median(times[0]), eager_tokens, statistics.median(times[1])
 
 
 def compare_quantized(config, args, prompt, dtype) -> None:
     """Generates with quantized experts; reports agreement with the unquantized model."""
     quantized = build(config, moe_xpu_hf.NAME, dtype)
     count = moe_xpu_hf.quantize_experts(quantized, args.quant, group_size=args.group_size)
+    generate(quantized, prompt, 2)  # warm-up (and kernel build)
     tokens, seconds = generate(quantized, prompt, args.new_tokens)
     reference = build(config, moe_xpu_hf.NAME, dtype)
     with torch.no_grad():  # both models read the quantized model's sequence (teacher forcing)
@@ -102,12 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.quant:
         compare_quantized(config, args, prompt, dtype)
         return
-    ours, t_ours = generate(build(config, moe_xpu_hf.NAME, dtype), prompt, args.new_tokens)
-    eager, t_eager = generate(build(config, "eager", dtype), prompt, args.new_tokens)
+    # Each model gets a config of its own: the experts implementation is read from it at call time.
+    ours_model = build(copy.deepcopy(config), moe_xpu_hf.NAME, dtype)
+    eager_model = build(copy.deepcopy(config), "eager", dtype)
+    ours, t_ours, eager, t_eager = generate_both(ours_model, eager_model, prompt, args.new_tokens)
     new = slice(args.prompt_tokens, None)
     print(f"moe_xpu tokens: {ours[0, new].tolist()}")
     print(f"eager tokens:   {eager[0, new].tolist()}")
-    print(f"moe_xpu {t_ours:.2f} s, eager {t_eager:.2f} s ({t_eager / t_ours:.2f}x)")
+    print(f"moe_xpu {t_ours:.3f} s, eager {t_eager:.3f} s ({t_eager / t_ours:.2f}x; medians of 3 runs each, alternating)")
     if torch.equal(ours, eager):
         print("tokens agree")
     else:
