@@ -65,18 +65,15 @@ def generate(model, prompt: torch.Tensor, new_tokens: int):
 def generate_both(ours, eager, prompt: torch.Tensor, new_tokens: int, runs: int = 3):
     """Each model's tokens and median generation time over ``runs`` runs, the two models
     alternating (a slow spell of the machine falls on both alike), after a warm-up each."""
-    for model in (ours, eager):
+    models = (ours, eager)
+    for model in models:
         generate(model, prompt, 2)  # warm-up (and kernel build)
-    times: dict[int, list[float]] = {0: [], 1: []}
+    tokens, times = [None, None], [[], []]
     for _ in range(runs):
-        for i, model in enumerate((ours, eager)):
-            tokens, seconds = generate(model, prompt, new_tokens)
+        for i, model in enumerate(models):
+            tokens[i], seconds = generate(model, prompt, new_tokens)
             times[i].append(seconds)
-            if i == 0:
-                ours_tokens = tokens
-            else:
-                eager_tokens = tokens
-    return ours_tokens, statistics.median(times[0]), eager_tokens, statistics.median(times[1])
+    return tokens[0], statistics.median(times[0]), tokens[1], statistics.median(times[1])
 
 
 def compare_quantized(config, args, prompt, dtype) -> None:

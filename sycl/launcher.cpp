@@ -13,7 +13,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
-#include <functional>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -590,6 +589,11 @@ ResolvedLaunch resolve(const GemmArgs& args) {
   return r;
 }
 
+// The global size of a plan's ND-range: its workers (sub-groups) in work-groups of work_group_size.
+std::int64_t global_size(const LaunchPlan& plan) {
+  return plan.num_workers / (plan.work_group_size / plan.sub_group_size) * plan.work_group_size;
+}
+
 // The kernel arguments of a launch of args, in the kernels' order, given to fn as one pack
 // (pointers as void*): the quantized kernels' list, or the vector and matrix kernels' list.
 template <typename Fn>
@@ -618,8 +622,7 @@ void submit(const GemmArgs& args, const ResolvedLaunch& r) {
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
-  const std::int64_t wg = plan.work_group_size;
-  const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
+  const std::int64_t wg = plan.work_group_size, global = global_size(plan);
   sycl::event done = q.submit([&](sycl::handler& h) {
     with_kernel_arguments(args, [&](auto... values) {
       if (plan.matrix_engine) h.set_args(values..., scratch);  // the scratch area is the kernels' last argument
@@ -722,26 +725,27 @@ class NativeCpuLaunch {
   }
 
   // Enqueues the kernel with these arguments (in order, pointers as pointers), while the caller
-  // holds what the arguments need held (the scratch lock), and returns a wait for it: called
-  // after those are released, it waits as a launch through SYCL would (on the calling thread's
-  // queue the wait runs the work-groups; the thread pool's with torch's threads parked).
+  // holds what the arguments need held (the scratch lock). Returns the event to wait for (null on
+  // the calling thread's queue, whose wait runs the work-groups).
   template <typename... Args>
-  std::function<void()> enqueue(const Args&... values) {
+  cl_event enqueue(const Args&... values) {
     cl_event done = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      int index = 0;
-      (set(index++, values), ...);
-      check(cl_->enqueue(queue_, kernel_, 1, nullptr, &global_, &local_, 0, nullptr, on_calling_thread_ ? nullptr : &done),
-            "clEnqueueNDRangeKernel");
-    }
-    if (on_calling_thread_) return [this] { check(cl_->finish(queue_), "clFinish"); };
-    return [this, done] {
-      cl_int waited = CL_SUCCESS;
-      with_torch_threads_parked([&] { waited = cl_->wait(1, &done); });
-      cl_->release_event(done);
-      check(waited, "clWaitForEvents");
-    };
+    std::lock_guard<std::mutex> lock(mutex_);
+    int index = 0;
+    (set(index++, values), ...);
+    check(cl_->enqueue(queue_, kernel_, 1, nullptr, &global_, &local_, 0, nullptr, on_calling_thread_ ? nullptr : &done),
+          "clEnqueueNDRangeKernel");
+    return done;
+  }
+
+  // Waits for an enqueue as a launch through SYCL would: the calling thread's queue runs it here,
+  // the thread pool's is waited for with torch's threads parked.
+  void wait(cl_event done) {
+    if (on_calling_thread_) return check(cl_->finish(queue_), "clFinish");
+    cl_int waited = CL_SUCCESS;
+    with_torch_threads_parked([&] { waited = cl_->wait(1, &done); });
+    cl_->release_event(done);
+    check(waited, "clWaitForEvents");
   }
 
  private:
@@ -774,25 +778,24 @@ class NativeCpuLaunch {
 // A prepared launch's native enqueue (see NativeCpuLaunch), or null where launches go through SYCL.
 std::unique_ptr<NativeCpuLaunch> native_launch_or_null(const ResolvedLaunch& r) {
   if (!r.cpu_device) return nullptr;
-  const std::int64_t wg = r.plan.work_group_size;
-  return NativeCpuLaunch::make(*r.queue, r.built->kernel, r.plan.num_workers / (wg / r.plan.sub_group_size) * wg, wg,
+  return NativeCpuLaunch::make(*r.queue, r.built->kernel, global_size(r.plan), r.plan.work_group_size,
                                r.on_calling_thread);
 }
 
 // Launches args (values already checked, a non-empty output) through the native enqueue.
 void submit_native(const GemmArgs& args, const ResolvedLaunch& r, NativeCpuLaunch& native) {
-  std::function<void()> wait;
+  cl_event done = nullptr;
   {
     std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
     if (r.plan.matrix_engine) scratch_lock.lock();
     with_kernel_arguments(args, [&](const auto&... values) {
       if (r.plan.matrix_engine)  // the scratch area is the kernels' last argument
-        wait = native.enqueue(values..., scratch_for(*r.queue, std::size_t(r.plan.num_workers * r.plan.scratch_bytes)));
+        done = native.enqueue(values..., scratch_for(*r.queue, std::size_t(r.plan.num_workers * r.plan.scratch_bytes)));
       else
-        wait = native.enqueue(values...);
+        done = native.enqueue(values...);
     });
   }
-  wait();
+  native.wait(done);
 }
 
 }  // namespace
@@ -850,8 +853,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   refuse_engine_the_cpu_lacks(q, plan, args.dtype);
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
-  const std::int64_t wg = plan.work_group_size;
-  const std::int64_t global = plan.num_workers / (wg / plan.sub_group_size) * wg;
+  const std::int64_t wg = plan.work_group_size, global = global_size(plan);
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
   if (plan.matrix_engine) scratch_lock.lock();
   void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
@@ -904,7 +906,7 @@ void launch_empty(std::uintptr_t queue, bool calling_thread) {
     }
     empty = &found->second;
   }
-  if (empty->native) return empty->native->enqueue(static_cast<int*>(nullptr))();
+  if (empty->native) return empty->native->wait(empty->native->enqueue(static_cast<int*>(nullptr)));
   sycl::event done = q.submit([&](sycl::handler& h) {
     h.set_args(static_cast<int*>(nullptr));
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, empty->kernel);

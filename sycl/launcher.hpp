@@ -146,8 +146,8 @@ struct LaunchPlan {
   bool matrix_engine = false;
   std::int64_t scratch_bytes = 0;
   // CPU device: the work-groups run one after another on the calling thread (see
-  // inline_flops_limit and inline_bytes_limit in variants.cpp) instead of on the runtime's thread pool. Same work-groups,
-  // same bits.
+  // inline_flops_limit and inline_bytes_limit in variants.cpp) instead of on the runtime's thread
+  // pool. Same work-groups, same bits.
   bool calling_thread = false;
 };
 

@@ -529,8 +529,7 @@ std::int64_t forward_workers(const GemmArgs& args, const LaunchPlan& plan, const
 }
 
 // Whether a forward launch runs on the calling thread (CPU device; see inline_flops_limit and
-// inline_bytes_limit), or as
-// the launch asks (GemmArgs::calling_thread).
+// inline_bytes_limit), or as the launch asks (GemmArgs::calling_thread).
 bool runs_on_calling_thread(const GemmArgs& args, const DeviceDescription& d) {
   if (!d.is_cpu || args.calling_thread == 1) return false;
   if (args.calling_thread == 2) return true;

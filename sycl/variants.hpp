@@ -46,6 +46,7 @@ std::string cpu_vector_class(const DeviceDescription& d);
 bool nibble_lookup(const DeviceDescription& d);
 // FLOPs up to which a CPU launch runs on the calling thread (0 on GPUs; see variants.cpp).
 double inline_flops_limit(const DeviceDescription& d);
+// Weight bytes a CPU launch may stream and still run on the calling thread (see variants.cpp).
 double inline_bytes_limit(const DeviceDescription& d);
 Family family_of(bool k_lanes, bool gated);
 // The tile shapes compiled for family f on device d with B elements of type t (the CPU's N-split
