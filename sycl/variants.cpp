@@ -315,7 +315,7 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
   if (f == Family::quant || f == Family::quant_gated) {
     args << type_name(a) << ", " << format_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", "
          << s.tile_n << ", " << (f == Family::quant_gated ? "true" : "false") << ", "
-         << (nibble_lookup(d) ? "true" : "false");
+         << (nibble_lookup(d) ? "true" : "false") << ", " << (d.is_cpu ? "true" : "false");
     return args.str();
   }
   if (f == Family::matrix_wgrad) {

@@ -163,7 +163,9 @@ __attribute__((always_inline)) inline void int8_column_streams(int32_t (&acc)[1]
   }
 }
 
-// One 16-k step of a 4-bit kernel: values r of the lanes' words (k = k0 + lane), dequantized
+// One 16-k step of a 4-bit kernel: the low values of the lanes' words (k = k0 + lane), which are
+// then shifted down for the next step (steps run r = 0..7 in order: a shift by a constant is one
+// instruction on AVX-512 where a shift by 4 r, a run-time count, was two), dequantized
 // either by a 16-entry table lookup across the sub-group (Lookup: lane l holds the dequantized
 // value of code l for each column, its scale and zero point applied, and select_from_group fetches
 // entry q: one permute per value where arithmetic decoding took five to eight instructions), or
@@ -173,13 +175,14 @@ __attribute__((always_inline)) inline void int8_column_streams(int32_t (&acc)[1]
 // Both give the same bits: (value(q) - z) * scale.
 template <bool Lookup, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void packed_step(float (&acc)[R][TN], const TA* const (&a_row)[R],
-                                                       const uint32_t (&word)[TN], int r, int64_t k,
+                                                       uint32_t (&word)[TN], int64_t k,
                                                        const sycl::sub_group& sg, const float (&table)[TN],
                                                        const float (&zero)[TN]) {
   float bv[TN];
   #pragma unroll
   for (int j = 0; j < TN; ++j) {
-    const uint32_t q = (word[j] >> (4 * r)) & 0xfu;
+    const uint32_t q = word[j] & 0xfu;
+    word[j] >>= 4;
     if constexpr (Lookup) bv[j] = sycl::select_from_group(sg, table[j], q);
     else bv[j] = Fmt::value(q, zero[j]) * table[j];
   }
@@ -231,7 +234,7 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
                              scale_stride_k, zero, zero_at, zero_stride_k);
       #pragma unroll 2
       for (int r = r0; r < r0 + S; ++r)
-        packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, r, kb + int64_t(kLanes) * r + lane, sg, table, zero_of);
+        packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, kb + int64_t(kLanes) * r + lane, sg, table, zero_of);
     }
   }
 }
@@ -367,7 +370,7 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
           float table[TN], zero_of[TN];
           packed_tables<Lookup, TN, Fmt>(table, zero_of, k0, code_value, block_shift, scale, scale_at, scale_stride_k, zero, zero_at,
                                  zero_stride_k);
-          packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, r, k0 + w.lane, w.sg, table, zero_of);
+          packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, k0 + w.lane, w.sg, table, zero_of);
         }
       }
     }
@@ -394,17 +397,49 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
                                  p.out_rows, p.scatter_index, p.scatter_is64, p.row_weight);
 }
 
+// While a unit computes, lane 0 asks the memory for the weight rows, scales and zero points of the
+// next column tile of its group, the worker's next unit but at the end of a row block (the
+// scheduler walks a row block's column tiles in order). A unit of one to a few rows reads each
+// column's 1-2 KB once: streams too short for the hardware prefetchers, so without this every unit
+// began by waiting on memory. Called before the tile's accumulators are live (the CPU device
+// implements prefetch as a library call; see prefetch_next_chunk in moe_gemm.cpp). Prefetches
+// never fault, so a tile past N is harmless.
+template <int TN, bool Gated, typename Fmt, typename TA, typename TOut>
+inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_t n_tile, int lane) {
+  constexpr int out_cols = Gated ? TN / 2 : TN;
+  const int64_t n0 = n_tile * out_cols;
+  if (lane == 0 && g < p.num_groups && n0 < p.N && (Fmt::kBits == 4 || p.b_stride_k == 1)) {
+    const int64_t elem = Fmt::kBits == 4 ? 4 : 1;  // 4-bit B is addressed in words of eight values
+    const int64_t bytes = Fmt::kBits == 4 ? (p.K + kPackedK - 1) / kPackedK * kLanes * 4 : p.K;
+    const int64_t blocks = (p.K + p.scale_block_k - 1) / p.scale_block_k;
+    const int64_t scale_elem = std::is_same_v<Fmt, Mxfp4Weights> ? 1 : 4;
+    #pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const int64_t n = n0 + (Gated ? j % out_cols : j);
+      const int64_t col = (n < p.N ? n : p.N - 1) + (Gated && j >= out_cols ? p.up_offset : 0);
+      syclexp::prefetch(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, std::size_t(bytes));
+      // Scales and zero points only where a column's run along K is contiguous (their layouts).
+      const int64_t s = g * p.scale_stride_e + (col / p.scale_block_n) * p.scale_stride_n;
+      if (p.scale_stride_k <= 1)
+        syclexp::prefetch(static_cast<const char*>(p.scale) + s * scale_elem, std::size_t(blocks * scale_elem));
+      if (Fmt::kBits == 4 && p.zero_stride_k == 1)
+        syclexp::prefetch(p.zero + g * p.zero_stride_e + (col / p.scale_block_n) * p.zero_stride_n, std::size_t(blocks));
+    }
+  }
+}
+
 // Lookup: the device's 16 lanes are one vector register (GPUs, AVX-512 CPUs; nibble_lookup in
 // variants.cpp): 4-bit values are decoded by a sub-group table lookup (packed_step) and W8A8
 // one-row tiles stream their columns one after another (int8_column_streams); both give the
-// same bits as the other way.
+// same bits as the other way. Prefetch (CPU devices): each unit fetches the next one's weights
+// (prefetch_column_tile).
 // The 16 lanes split K (as moe_gemm_k_lanes does); each lane keeps TM x TN partial sums of a row
 // tile, reduced across the sub-group once per tile. Units are one column tile of one group over
 // up to kUnitRows rows, owned by the persistent workers through the shared scheduler. A group's
 // short last row tile runs the full tile (rows past the group repeat its last row, not stored):
 // with 1- and 4-row tiles beside the 6-row one in the same kernel, as k_lanes does, the CPU
 // compiler masked the whole 4-bit loop and gathered its bytes lane by lane (10-15x slower).
-template <typename TA, typename Fmt, typename TOut, int TM, int TN, bool Gated, bool Lookup>
+template <typename TA, typename Fmt, typename TOut, int TM, int TN, bool Gated, bool Lookup, bool Prefetch>
 MOE_XPU_KERNEL
 void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                     int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
@@ -431,6 +466,7 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n, cost,
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        if constexpr (Prefetch) prefetch_column_tile<TN, Gated, Fmt>(p, g, n_tile + 1, w.lane);
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
@@ -653,15 +689,15 @@ void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_
 }  // namespace moe_xpu
 
 // Instantiations are appended by the launcher, one line per compiled variant, e.g.
-// MOE_XPU_INSTANTIATE_QUANT(float, moe_xpu::Int4Weights, float, 1, 8, false, true).
+// MOE_XPU_INSTANTIATE_QUANT(float, moe_xpu::Int4Weights, float, 1, 8, false, true, true).
 #define MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut)                                                          \
   const TA*, int64_t, int64_t, const void*, int, const void*, int64_t, int64_t, int64_t, const void*, \
       int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t,          \
       const float*, const float*, int64_t,                                                           \
       TOut*, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t, int, int64_t, const void*,  \
       int, const float*
-#define MOE_XPU_INSTANTIATE_QUANT(TA, FMT, TOut, TM, TN, GATED, LOOKUP) \
-  template void moe_xpu::moe_gemm_quant<TA, FMT, TOut, TM, TN, GATED, LOOKUP>(MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut));
+#define MOE_XPU_INSTANTIATE_QUANT(TA, FMT, TOut, TM, TN, GATED, LOOKUP, PREFETCH) \
+  template void moe_xpu::moe_gemm_quant<TA, FMT, TOut, TM, TN, GATED, LOOKUP, PREFETCH>(MOE_XPU_QUANT_KERNEL_PARAMS(TA, TOut));
 #define MOE_XPU_INSTANTIATE_QUANT_MATRIX(TOut, ROWS, TOKS, KSTEP, LANES) \
   template void moe_xpu::moe_gemm_quant_matrix<TOut, ROWS, TOKS, KSTEP, LANES>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut), void*);
 #define MOE_XPU_INSTANTIATE_DEQUANT_MATRIX(FMT, TOut, GATED, ROWS, TOKS, KSTEP, LANES)               \
