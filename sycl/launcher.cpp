@@ -52,6 +52,15 @@ sycl::queue* cpu_queue_or_null() {
   return q;
 }
 
+// Looks up an OpenCL entry point in the ICD loader the runtime's OpenCL adapter has loaded (the
+// module does not link against OpenCL): f is null where the loader or the entry point is missing.
+template <typename F>
+bool find_opencl_entry(F& f, const char* name) {
+  void* lib = dlopen("libOpenCL.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  f = lib == nullptr ? nullptr : reinterpret_cast<F>(dlsym(lib, name));
+  return f != nullptr;
+}
+
 sycl::queue& queue_for(std::uintptr_t address) {
   if (address != 0) return *reinterpret_cast<sycl::queue*>(address);
   sycl::queue* q = cpu_queue_or_null();
@@ -67,11 +76,8 @@ sycl::queue* calling_thread_queue_or_null() {
   static sycl::queue* q = []() -> sycl::queue* {
     sycl::queue* base = cpu_queue_or_null();
     if (base == nullptr || base->get_backend() != sycl::backend::opencl) return nullptr;
-    using Create = cl_command_queue (*)(cl_context, cl_device_id, const cl_queue_properties*, cl_int*);
-    void* opencl = dlopen("libOpenCL.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (opencl == nullptr) return nullptr;
-    auto create = reinterpret_cast<Create>(dlsym(opencl, "clCreateCommandQueueWithProperties"));
-    if (create == nullptr) return nullptr;
+    cl_command_queue (*create)(cl_context, cl_device_id, const cl_queue_properties*, cl_int*) = nullptr;
+    if (!find_opencl_entry(create, "clCreateCommandQueueWithProperties")) return nullptr;
     cl_context ctx = sycl::get_native<sycl::backend::opencl>(base->get_context());
     cl_device_id dev = sycl::get_native<sycl::backend::opencl>(base->get_device());
     const cl_queue_properties props[] = {CL_QUEUE_PROPERTIES, cl_queue_properties(CL_QUEUE_THREAD_LOCAL_EXEC_ENABLE_INTEL), 0};
@@ -637,8 +643,7 @@ void submit(const GemmArgs& args, const ResolvedLaunch& r) {
   else if (r.cpu_device) with_torch_threads_parked([&] { done.wait_and_throw(); });
 }
 
-// The OpenCL entry points of a native launch, looked up in the ICD loader the runtime's OpenCL
-// adapter has loaded (the module does not link against OpenCL).
+// The OpenCL entry points of a native launch (see find_opencl_entry).
 struct OpenClCalls {
   cl_kernel (*clone_kernel)(cl_kernel, cl_int*) = nullptr;
   cl_int (*release_kernel)(cl_kernel) = nullptr;
@@ -654,28 +659,20 @@ struct OpenClCalls {
 
 const OpenClCalls* opencl_calls_or_null(cl_device_id device) {
   static const OpenClCalls* calls = [device]() -> const OpenClCalls* {
-    void* lib = dlopen("libOpenCL.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) return nullptr;
     auto* c = new OpenClCalls();
-    c->clone_kernel = reinterpret_cast<decltype(c->clone_kernel)>(dlsym(lib, "clCloneKernel"));
-    c->release_kernel = reinterpret_cast<decltype(c->release_kernel)>(dlsym(lib, "clReleaseKernel"));
-    c->set_arg = reinterpret_cast<decltype(c->set_arg)>(dlsym(lib, "clSetKernelArg"));
-    c->enqueue = reinterpret_cast<decltype(c->enqueue)>(dlsym(lib, "clEnqueueNDRangeKernel"));
-    c->finish = reinterpret_cast<decltype(c->finish)>(dlsym(lib, "clFinish"));
-    c->release_queue = reinterpret_cast<decltype(c->release_queue)>(dlsym(lib, "clReleaseCommandQueue"));
-    c->wait = reinterpret_cast<decltype(c->wait)>(dlsym(lib, "clWaitForEvents"));
-    c->release_event = reinterpret_cast<decltype(c->release_event)>(dlsym(lib, "clReleaseEvent"));
-    using GetInfo = cl_int (*)(cl_device_id, cl_device_info, std::size_t, void*, std::size_t*);
-    using GetAddress = void* (*)(cl_platform_id, const char*);
-    auto get_info = reinterpret_cast<GetInfo>(dlsym(lib, "clGetDeviceInfo"));
-    auto get_address = reinterpret_cast<GetAddress>(dlsym(lib, "clGetExtensionFunctionAddressForPlatform"));
+    cl_int (*get_info)(cl_device_id, cl_device_info, std::size_t, void*, std::size_t*) = nullptr;
+    void* (*get_address)(cl_platform_id, const char*) = nullptr;
     cl_platform_id platform = nullptr;
-    if (get_info != nullptr && get_address != nullptr &&
-        get_info(device, CL_DEVICE_PLATFORM, sizeof(platform), &platform, nullptr) == CL_SUCCESS)
-      c->set_pointer_arg = reinterpret_cast<decltype(c->set_pointer_arg)>(get_address(platform, "clSetKernelArgMemPointerINTEL"));
-    if (c->clone_kernel && c->release_kernel && c->set_arg && c->set_pointer_arg && c->enqueue && c->finish &&
-        c->release_queue && c->wait && c->release_event)
-      return c;
+    const bool found =
+        find_opencl_entry(c->clone_kernel, "clCloneKernel") && find_opencl_entry(c->release_kernel, "clReleaseKernel") &&
+        find_opencl_entry(c->set_arg, "clSetKernelArg") && find_opencl_entry(c->enqueue, "clEnqueueNDRangeKernel") &&
+        find_opencl_entry(c->finish, "clFinish") && find_opencl_entry(c->release_queue, "clReleaseCommandQueue") &&
+        find_opencl_entry(c->wait, "clWaitForEvents") && find_opencl_entry(c->release_event, "clReleaseEvent") &&
+        find_opencl_entry(get_info, "clGetDeviceInfo") &&
+        find_opencl_entry(get_address, "clGetExtensionFunctionAddressForPlatform") &&
+        get_info(device, CL_DEVICE_PLATFORM, sizeof(platform), &platform, nullptr) == CL_SUCCESS;
+    if (found) c->set_pointer_arg = reinterpret_cast<decltype(c->set_pointer_arg)>(get_address(platform, "clSetKernelArgMemPointerINTEL"));
+    if (c->set_pointer_arg != nullptr) return c;
     delete c;
     return nullptr;
   }();
@@ -979,16 +976,10 @@ std::vector<std::string> spirv_modules(const std::string& variants_for, DType dt
   if (q.get_backend() != sycl::backend::opencl)
     throw std::runtime_error("moe_xpu: reading SPIR-V needs the SYCL CPU device on the OpenCL backend");
   Bundle& bundle = get_bundle(q, description_for(q, variants_for), dtype, out_dtype);
-  // The OpenCL entry points are looked up in the ICD loader the runtime's OpenCL adapter has
-  // loaded already, so the module itself does not link against OpenCL.
-  using GetProgramInfo = cl_int (*)(cl_program, cl_program_info, std::size_t, void*, std::size_t*);
-  using ReleaseProgram = cl_int (*)(cl_program);
-  void* opencl = dlopen("libOpenCL.so.1", RTLD_LAZY | RTLD_NOLOAD);
-  if (opencl == nullptr) throw std::runtime_error("moe_xpu: the OpenCL ICD loader is not loaded");
-  auto get_info = reinterpret_cast<GetProgramInfo>(dlsym(opencl, "clGetProgramInfo"));
-  auto release = reinterpret_cast<ReleaseProgram>(dlsym(opencl, "clReleaseProgram"));
-  if (get_info == nullptr || release == nullptr)
-    throw std::runtime_error("moe_xpu: the OpenCL ICD loader lacks clGetProgramInfo");
+  cl_int (*get_info)(cl_program, cl_program_info, std::size_t, void*, std::size_t*) = nullptr;
+  cl_int (*release)(cl_program) = nullptr;
+  if (!find_opencl_entry(get_info, "clGetProgramInfo") || !find_opencl_entry(release, "clReleaseProgram"))
+    throw std::runtime_error("moe_xpu: the OpenCL ICD loader is not loaded or lacks clGetProgramInfo");
   std::vector<std::string> modules;
   for (cl_program program : sycl::get_native<sycl::backend::opencl>(bundle.executable)) {
     std::size_t size = 0;
