@@ -212,7 +212,14 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     // with a lookup table per column the decode tile {1, 8} spilled 192-544 B there, {1, 4} not.
     case Family::quant:
     case Family::quant_gated:
-      if (d.is_cpu) return {std::begin(cpu_tile_table(d).k_lanes), std::end(cpu_tile_table(d).k_lanes)};
+      if (d.is_cpu) {
+        // A third tile of 4 rows for groups of 3-4 rows, where the tall tile's padding rows cost
+        // a third of its FMAs (16tok-E8 on AMX, whose engine tiles take 5+ rows).
+        const CpuTileTable& table = cpu_tile_table(d);
+        std::vector<TileShape> tiles(std::begin(table.k_lanes), std::end(table.k_lanes));
+        if (tiles.back().tile_m > 4) tiles.push_back(TileShape{4, tiles.back().tile_n});
+        return tiles;
+      }
       return {TileShape{1, 4}, TileShape{2, 4}};
     case Family::n_lanes:
       if (d.is_cpu) {
@@ -256,7 +263,8 @@ TileShape choose_tile(Family f, const DeviceDescription& d, DType t, double rows
   if (tiles.size() == 1) return tiles[0];
   const bool short_rows = f == Family::n_lanes && tiles[0].tile_n > kRegisterTileVectors &&
                           N <= std::int64_t(tiles[1].tile_n) * kSubGroupSize;
-  return tiles[rows_per_group <= 2.0 && !short_rows ? 0 : 1];
+  if (rows_per_group <= 2.0 && !short_rows) return tiles[0];
+  return tiles.size() > 2 && rows_per_group <= 4.0 ? tiles[2] : tiles[1];
 }
 
 // The vector kernels' K chunk: on the CPU device, tiles of several rows walk K in chunks, their
