@@ -160,6 +160,36 @@ def test_bitwise_reproducible(fmt, kw):
     assert torch.equal(first, moe_xpu.moe_gemm(a, q, go))
 
 
+
+@pytest.mark.parametrize("fmt,kw", [FORMATS[0], FORMATS[3], FORMATS[5]], ids=["int8", "int4", "mxfp4"])
+def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw):
+    """Groups of 3-4 rows get a 4-row tile where the CPU's tall tile is taller (its padding rows
+    would be a third of the FMAs); one-row, tall and 4-row tiles compute each row the same way, so
+    the planner's choice changes no bit, and the result matches float64."""
+    counts, K, N = [4, 3, 0, 4, 1, 4, 4, 4], 256, 40  # 3 rows a group
+    q = moe_xpu.quantize_experts(torch.randn(len(counts), N, K).transpose(1, 2), fmt, **kw)
+    a = torch.randn(sum(counts), K)
+    go = offsets(counts)
+    tiles = list(C.tile_shapes(True))
+    tall_m, tall_n = tiles[-1]
+    if tall_m > 4:
+        tiles.append((4, tall_n))
+    plans = []
+    out = quant.run_quant(a, q, go, None, None, None, torch.float32,
+                          configure=lambda args: plans.append(C.plan_gemm(args)))
+    assert plans[0].kernel_name.startswith("moe_xpu::moe_gemm_quant<")
+    assert plans[0].tile_m == min(tall_m, 4), plans[0].kernel_name
+    assert_quant_close(out, a, q.dequantize(), go)
+
+    def forced(tile):
+        def configure(args):
+            args.tile_m, args.tile_n = tile
+        return configure
+
+    for tile in tiles:
+        assert torch.equal(quant.run_quant(a, q, go, None, None, None, torch.float32, configure=forced(tile)), out), tile
+
+
 _DECODE_SCRIPT = """
 import sys, torch, moe_xpu
 from moe_xpu import _runtime

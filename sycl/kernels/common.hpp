@@ -90,6 +90,16 @@ inline Worker this_worker() {
                 static_cast<int>(sg.get_local_linear_id())};
 }
 
+// The B column behind accumulator column j of a tile whose output columns start at n0: with the
+// gated epilogue a tile's TN columns are TN / 2 gate columns then the matching up columns (at
+// up_offset). Columns past N repeat the last one (computed, not stored).
+template <int TN, bool Gated>
+inline int64_t tile_b_column(int64_t n0, int j, int64_t N, int64_t up_offset) {
+  constexpr int out_cols = Gated ? TN / 2 : TN;
+  const int64_t n = n0 + (Gated ? j % out_cols : j);
+  return (n < N ? n : N - 1) + (Gated && j >= out_cols ? up_offset : 0);
+}
+
 // Source row of output row m: through the index table when there is one. Clamped so that a bad
 // index cannot read out of bounds (validated on the host where possible).
 inline int64_t source_row(const void* gather_index, int gather_is64, int64_t m, int64_t a_rows) {

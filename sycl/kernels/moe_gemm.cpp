@@ -158,10 +158,7 @@ inline void k_lanes_tile(const VectorArgs<TA, T, TOut>& p, const Worker& w, int6
   const int64_t n0 = n_tile * out_cols;
   int64_t b_n[TN];  // the B column behind accumulator column j
   #pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    const int64_t n = n0 + (gated ? j % out_cols : j);
-    b_n[j] = (n < N ? n : N - 1) + (gated && j >= out_cols ? up_offset : 0);
-  }
+  for (int j = 0; j < TN; ++j) b_n[j] = tile_b_column<TN, Gated>(n0, j, N, up_offset);
   // K chunks: partial sums of [k_begin, k_end) are added to those saved by earlier chunks; a
   // chunk that does not end K saves them (lane-major, at saved) instead of finishing the tile.
   const bool first = k_begin == 0, last = k_end == K;

@@ -59,22 +59,26 @@ inline float e8m0_to_float(uint32_t s) {  // 2^(s - 127); 255 is NaN
 }
 
 struct Int8Weights {
+  static constexpr int kScaleBytes = 4;  // float32
   static constexpr int kBits = 8;
   static float value(uint32_t byte, float) { return float(static_cast<int8_t>(byte)); }
   static float scale(const void* s, int64_t i) { return static_cast<const float*>(s)[i]; }
 };
 struct Fp8Weights {
+  static constexpr int kScaleBytes = 4;  // float32
   static constexpr int kBits = 8;
   static float value(uint32_t byte, float) { return fp8_e4m3_to_float(byte); }
   static float scale(const void* s, int64_t i) { return static_cast<const float*>(s)[i]; }
 };
 struct Int4Weights {
+  static constexpr int kScaleBytes = 4;  // float32
   static constexpr int kBits = 4;
   static constexpr bool kZeroPoints = true;
   static float value(uint32_t nibble, float zero) { return float(nibble) - zero; }
   static float scale(const void* s, int64_t i) { return static_cast<const float*>(s)[i]; }
 };
 struct Mxfp4Weights {
+  static constexpr int kScaleBytes = 1;  // e8m0
   static constexpr int kBits = 4;
   static constexpr bool kZeroPoints = false;
   static float value(uint32_t nibble, float) { return e2m1_to_float(nibble); }
@@ -263,10 +267,7 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
   const int64_t n0 = sycl::group_broadcast(w.sg, n_tile * out_cols, 0);
   int64_t b_n[TN];  // the B column behind accumulator column j (gated: gate, then up columns)
   #pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    const int64_t n = n0 + (Gated ? j % out_cols : j);
-    b_n[j] = (n < N ? n : N - 1) + (Gated && j >= out_cols ? up_offset : 0);
-  }
+  for (int j = 0; j < TN; ++j) b_n[j] = tile_b_column<TN, Gated>(n0, j, N, up_offset);
   QuantAcc<TA> acc[R][TN];
   #pragma unroll
   for (int i = 0; i < R; ++i)
@@ -412,16 +413,14 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
     const int64_t elem = Fmt::kBits == 4 ? 4 : 1;  // 4-bit B is addressed in words of eight values
     const int64_t bytes = Fmt::kBits == 4 ? (p.K + kPackedK - 1) / kPackedK * kLanes * 4 : p.K;
     const int64_t blocks = (p.K + p.scale_block_k - 1) / p.scale_block_k;
-    const int64_t scale_elem = std::is_same_v<Fmt, Mxfp4Weights> ? 1 : 4;
     #pragma unroll
     for (int j = 0; j < TN; ++j) {
-      const int64_t n = n0 + (Gated ? j % out_cols : j);
-      const int64_t col = (n < p.N ? n : p.N - 1) + (Gated && j >= out_cols ? p.up_offset : 0);
+      const int64_t col = tile_b_column<TN, Gated>(n0, j, p.N, p.up_offset);
       syclexp::prefetch(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, std::size_t(bytes));
       // Scales and zero points only where a column's run along K is contiguous (their layouts).
       const int64_t s = g * p.scale_stride_e + (col / p.scale_block_n) * p.scale_stride_n;
       if (p.scale_stride_k <= 1)
-        syclexp::prefetch(static_cast<const char*>(p.scale) + s * scale_elem, std::size_t(blocks * scale_elem));
+        syclexp::prefetch(static_cast<const char*>(p.scale) + s * Fmt::kScaleBytes, std::size_t(blocks * Fmt::kScaleBytes));
       if (Fmt::kBits == 4 && p.zero_stride_k == 1)
         syclexp::prefetch(p.zero + g * p.zero_stride_e + (col / p.scale_block_n) * p.zero_stride_n, std::size_t(blocks));
     }
