@@ -501,23 +501,44 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
               activation: int = 0, up_offset: int = 0, out_columns: int | None = None,
               scatter_index=None, row_weight=None, out_rows: int | None = None, configure=None):
     """Launches the quantized kernel (inputs checked). The fused MoE passes its epilogue: the
-    gated activation (activation, up_offset, out_columns), scatter index, row weight."""
+    gated activation (activation, up_offset, out_columns), scatter index, row weight. Where the
+    plan asks for float32 A (``LaunchPlan.widen_a``), 16-bit A is widened once and the float32
+    output rounded to ``out_dtype`` after (the same rounding as the kernel's: the same bits)."""
     a, group_offsets, a_scale, gather_index, bias = _kernel_ready(a, q, group_offsets, a_scale, gather_index, bias)
     rows = out_rows if out_rows is not None else (a.shape[0] if gather_index is None else gather_index.shape[0])
     N = out_columns if out_columns is not None else q.shape[2]
-    out = torch.empty(rows, N, dtype=out_dtype, device=a.device)
-    args = quant_args(a, q, group_offsets, a_scale, gather_index, bias, out)
-    args.N = N
-    args.activation, args.up_offset = activation, up_offset
-    if scatter_index is not None:
-        args.scatter_index = scatter_index.data_ptr()
-        args.scatter_is_int64 = scatter_index.dtype == torch.int64
-    if row_weight is not None:
-        args.row_weight = row_weight.data_ptr()
-    if configure is not None:
-        configure(args)
-    ops.checked_launch(_runtime.sycl_module().moe_gemm, args)
+
+    def launch_args(a, out_dtype):
+        out = torch.empty(rows, N, dtype=out_dtype, device=a.device)
+        args = quant_args(a, q, group_offsets, a_scale, gather_index, bias, out)
+        args.N = N
+        args.activation, args.up_offset = activation, up_offset
+        if scatter_index is not None:
+            args.scatter_index = scatter_index.data_ptr()
+            args.scatter_is_int64 = scatter_index.dtype == torch.int64
+        if row_weight is not None:
+            args.row_weight = row_weight.data_ptr()
+        if configure is not None:
+            configure(args)
+        return args, out
+
+    C = _runtime.sycl_module()
+    args, out = launch_args(a, out_dtype)
+    # (Not with a scatter index: its output rows are written by several launches' epilogues.)
+    if a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None and _plan(C, args).widen_a:
+        wide_a = a.float()  # held until the launch has run: args has only its address
+        args, wide_out = launch_args(wide_a, torch.float32)
+        ops.checked_launch(C.moe_gemm, args)
+        return wide_out if out_dtype == torch.float32 else wide_out.to(out_dtype)
+    ops.checked_launch(C.moe_gemm, args)
     return out
+
+
+def _plan(C, args):
+    try:
+        return C.plan_gemm(args)
+    except ops._LAUNCH_ERRORS as error:
+        raise ops.MoeXpuInputError(str(error)) from None
 
 
 def reference_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out_dtype):

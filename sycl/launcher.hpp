@@ -139,7 +139,8 @@ struct LaunchPlan {
   std::int64_t work_group_size = 0;
   int sub_group_size = 16;
   // The planned kernel runs faster with A in float32 (16-bit A, K-contiguous B, tiles of several
-  // rows): the caller may pass a float32 copy of A with a_dtype = float32.
+  // rows): the caller may pass a float32 copy of A with a_dtype = float32 (quantized B: with a
+  // float32 output too, rounded to the 16-bit dtype after; the same bits).
   bool widen_a = false;
   // Runs on the matrix engine (joint_matrix: AMX on the CPU device), with this many bytes of
   // scratch area for each worker.

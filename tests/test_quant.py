@@ -190,6 +190,29 @@ def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw):
         assert torch.equal(quant.run_quant(a, q, go, None, None, None, torch.float32, configure=forced(tile)), out), tile
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,kw", [FORMATS[0], FORMATS[1], FORMATS[4], FORMATS[5]],
+                         ids=["int8", "fp8-block128", "int4-g128-zero", "mxfp4"])
+def test_widened_activations_give_the_16_bit_kernels_bits(C, fmt, kw, dtype):
+    """16-bit activations on a vector tile of several rows are widened to float32 once a call (the
+    plan's widen_a) and the float32 output rounded after: the same bits as the 16-bit kernel, which
+    widens each A value as it reads it; an index table and a bias included."""
+    counts, K, N = [4, 3, 0, 4, 1, 4, 4, 4], 384, 40
+    q = moe_xpu.quantize_experts(torch.randn(len(counts), N, K).transpose(1, 2), fmt, **kw)
+    a = torch.randn(30, K).to(dtype)
+    go = offsets(counts)
+    gi = torch.randint(0, 30, (sum(counts),))
+    bias = torch.randn(len(counts), N).to(dtype)
+    plans = []
+    out = quant.run_quant(a, q, go, None, gi, bias, dtype, configure=lambda args: plans.append(C.plan_gemm(args)))
+    assert plans[0].widen_a and not plans[-1].widen_a  # the 16-bit plan, then the float32 launch
+    direct, bias32 = torch.empty_like(out), bias.float()  # (args hold addresses: keep the tensors)
+    C.moe_gemm(quant.quant_args(a, q, go, None, gi, bias32, direct))
+    assert torch.equal(out, direct)
+    assert_quant_close(out, a, q.dequantize(), go, gi, bias)
+
+
 _DECODE_SCRIPT = """
 import sys, torch, moe_xpu
 from moe_xpu import _runtime
