@@ -189,10 +189,11 @@ def launch(args, a: torch.Tensor) -> bool:
 _LAUNCH_ERRORS = (_runtime.sycl_module().ArgumentError,) if _runtime.sycl_module() is not None else ()
 
 
-def checked_launch(launcher, *args) -> None:
-    """Calls a launcher function, turning its value checks' errors into MoeXpuInputError."""
+def checked_launch(launcher, *args):
+    """Calls a launcher function (or the planner), turning its value checks' errors into
+    MoeXpuInputError; returns what it returns."""
     try:
-        launcher(*args)
+        return launcher(*args)
     except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
         raise MoeXpuInputError(str(error)) from None
 

@@ -525,20 +525,14 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
     C = _runtime.sycl_module()
     args, out = launch_args(a, out_dtype)
     # (Not with a scatter index: its output rows are written by several launches' epilogues.)
-    if a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None and _plan(C, args).widen_a:
+    widen = a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None
+    if widen and ops.checked_launch(C.plan_gemm, args).widen_a:
         wide_a = a.float()  # held until the launch has run: args has only its address
         args, wide_out = launch_args(wide_a, torch.float32)
         ops.checked_launch(C.moe_gemm, args)
         return wide_out if out_dtype == torch.float32 else wide_out.to(out_dtype)
     ops.checked_launch(C.moe_gemm, args)
     return out
-
-
-def _plan(C, args):
-    try:
-        return C.plan_gemm(args)
-    except ops._LAUNCH_ERRORS as error:
-        raise ops.MoeXpuInputError(str(error)) from None
 
 
 def reference_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out_dtype):

@@ -160,7 +160,6 @@ def test_bitwise_reproducible(fmt, kw):
     assert torch.equal(first, moe_xpu.moe_gemm(a, q, go))
 
 
-
 @pytest.mark.parametrize("fmt,kw", [FORMATS[0], FORMATS[3], FORMATS[5]], ids=["int8", "int4", "mxfp4"])
 def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw):
     """Groups of 3-4 rows get a 4-row tile where the CPU's tall tile is taller (its padding rows
@@ -188,7 +187,6 @@ def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw):
 
     for tile in tiles:
         assert torch.equal(quant.run_quant(a, q, go, None, None, None, torch.float32, configure=forced(tile)), out), tile
-
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
