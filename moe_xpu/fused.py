@@ -214,11 +214,12 @@ class PreparedFused:
     metadata (see ``prepared_fused``), so a decode step repeating an earlier step's shapes skips
     the checks and the planning."""
 
-    __slots__ = ("gate_up", "down", "widen_x")
+    __slots__ = ("gate_up", "down", "widen_x", "h_dtype")
 
     def __init__(self):
         self.gate_up = self.down = None
         self.widen_x = False
+        self.h_dtype = torch.float32
 
 
 _PREPARED = _dispatch.MetadataTable()
@@ -268,12 +269,18 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
     # h is float32: the second GEMM reads it as float A (no widening in its k loop) and both
     # launches share one compiled kernel bundle. The vector kernels use h unrounded; the bf16
     # matrix-engine kernels round it to bf16 as they pack it (the engine multiplies bf16), as a
-    # bf16 model's own expert block would.
+    # bf16 model's own expert block would. Where the second GEMM would run on the bf16 dot-product
+    # kernels (CPUs with AVX512-BF16), h is bf16 for the same reason: they multiply bf16.
     w_gate_up, w_down = _k_contiguous_view(gate_up_proj), _k_contiguous_view(down_proj)
-    h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     per_slot = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     p = prepared if prepared is not None else PreparedFused()
+    if p.gate_up is None and x.dtype == torch.bfloat16:
+        probe = torch.empty(T * k, I, dtype=torch.bfloat16, device=x.device)
+        args = gemm_args(probe, w_down, group_offsets, None, down_bias, per_slot)
+        if "moe_gemm_k_dot<" in _runtime.sycl_module().plan_gemm(args).kernel_name:
+            p.h_dtype = torch.bfloat16
+    h = torch.empty(T * k, I, dtype=p.h_dtype, device=x.device)
     if p.gate_up is None:  # the first call with this metadata plans both launches
         args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
         args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I

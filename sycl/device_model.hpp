@@ -33,6 +33,9 @@ struct DeviceDescription {
   // tile tables are chosen per class of it (cpu_vector_class in variants.hpp). GPUs: unused.
   int vector_width = 16;
   std::vector<MatrixShape> matrix_shapes;  // matrix-engine tiles available to the kernels
+  // CPU: the compiler's target and the CPU run AVX512-BF16 (vdpbf16ps), which the bf16 dot-product
+  // kernels (moe_gemm_dot.cpp) are written in. GPUs: false.
+  bool bf16_dot = false;
 
   bool has_matrix_shape(int m, int n, int k) const {
     for (const MatrixShape& s : matrix_shapes)

@@ -207,6 +207,18 @@ bool cpu_has_amx_fp16() {
   return cpu_has_amx_bf16() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 21) & 1u);
 }
 
+// AVX512-BF16 (CPUID leaf 7 sub-leaf 1: EAX bit 5) with AVX512-BW (leaf 7: EBX bit 30) and the OS
+// saving the zmm state (XCR0 bits 1, 2 and 5-7): what the bf16 dot-product kernels execute.
+bool cpu_has_avx512_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((ebx >> 30) & 1u)) return false;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !((eax >> 5) & 1u)) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1u)) return false;  // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & 0xe6u) == 0xe6u;
+}
+
 std::string cpu_target() {
   const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
   return arch != nullptr ? arch : "";
@@ -238,6 +250,19 @@ bool cpu_amx_usable() {
     const char* off = std::getenv("MOE_XPU_MATRIX_ENGINE");
     if (off != nullptr && std::string(off) == "0") return false;
     return cpu_target_compiles_matrix() && cpu_has_amx_bf16();
+  }();
+  return usable;
+}
+
+// The bf16 dot-product kernels (moe_gemm_dot.cpp) run where the CPU has AVX512-BF16 and the
+// OpenCL CPU compiler targets the CPU itself (no CL_CONFIG_CPU_TARGET_ARCH) or an AMX CPU (which
+// has AVX512-BF16 too): a target below it (the bench's --isa avx512 or avx2) means code limited to
+// that instruction set. MOE_XPU_BF16_DOT=0 turns them off.
+bool cpu_bf16_dot_usable() {
+  static const bool usable = [] {
+    const char* off = std::getenv("MOE_XPU_BF16_DOT");
+    if (off != nullptr && std::string(off) == "0") return false;
+    return (cpu_target().empty() || cpu_target_compiles_matrix()) && cpu_has_avx512_bf16();
   }();
   return usable;
 }
@@ -300,6 +325,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
   d.local_mem_size = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
+  d.bf16_dot = d.is_cpu && d.vector_width >= 16 && cpu_bf16_dot_usable();
   if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
@@ -461,6 +487,7 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
   std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n"
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
+  if (t == DType::bfloat16 && d.bf16_dot) source += std::string(kMoeGemmDotSource) + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);
@@ -998,7 +1025,8 @@ std::vector<std::pair<std::string, std::string>> kernel_files() {
           {"scheduler.hpp", kKernelSchedulerHeader},
           {"epilogue.hpp", kKernelEpilogueHeader}, {"matrix_engine.hpp", kKernelMatrixEngineHeader},
           {"moe_gemm.cpp", kMoeGemmSource},
-          {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}, {"moe_gemm_quant.cpp", kMoeGemmQuantSource}};
+          {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}, {"moe_gemm_quant.cpp", kMoeGemmQuantSource},
+          {"moe_gemm_dot.cpp", kMoeGemmDotSource}};
 }
 
 }  // namespace moe_xpu

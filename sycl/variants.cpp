@@ -237,6 +237,9 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dequant_matrix:
     case Family::dequant_matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_wgrad: return {TileShape{2 * engine_tile(d).m, 2}};
+    // The register tile its assembly is written for: 24 accumulators, 4 A and 1 B vector.
+    case Family::dot:
+    case Family::dot_gated: return {TileShape{4, 6}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -305,6 +308,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dequant_matrix:
     case Family::dequant_matrix_gated:
     case Family::matrix_wgrad: return 0;
+    case Family::dot:
+    case Family::dot_gated: return 32 * 4;  // a tile's sums (kDotSums in moe_gemm_dot.cpp)  // a tile's sums (kDotSumsSlot)
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -343,6 +348,10 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
          << ", " << e.m << ", " << e.n << ", " << e.k << ", " << e.sub_group_size;
     return args.str();
   }
+  if (f == Family::dot || f == Family::dot_gated) {
+    args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ", " << (f == Family::dot_gated ? "true" : "false");
+    return args.str();
+  }
   if (f == Family::matrix || f == Family::matrix_gated) {
     const MatrixShape e = engine_tile(d);
     args << type_name(a) << ", " << type_name(t) << ", " << type_name(out) << ", "
@@ -373,6 +382,8 @@ std::string kernel_base(Family f) {
     case Family::dequant_matrix:
     case Family::dequant_matrix_gated: return "dequant_matrix";
     case Family::matrix_wgrad: return "matrix_wgrad";
+    case Family::dot:
+    case Family::dot_gated: return "k_dot";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -393,7 +404,7 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 // The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
 bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
-         f != Family::matrix_wgrad;
+         f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -490,6 +501,7 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
   if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_wgrad});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
+  if (t == DType::bfloat16 && d.bf16_dot) families.insert(families.end(), {Family::dot, Family::dot_gated});
   std::vector<Variant> variants;
   for (Family f : families)
     for (TileShape s : family_tiles(f, d, t)) {
@@ -659,7 +671,14 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape &&
                                                (rows_per_group > (kn_cpu ? 4.0 : 2.0) || streamed) &&
                                                args.tile_m == 0 && args.tile_n == 0);
-  const Family family = !use_matrix ? family_of(k_lanes, gated)
+  // bf16 A and B on a CPU with AVX512-BF16 and no matrix engine at work: the dot-product kernels,
+  // where tiles of several rows reuse each B vector (the decode tile, one row a group, is bound by
+  // streaming the weights and stays on the vector kernel). Tile overrides address the vector kernels.
+  const bool use_dot = !use_matrix && args.engine == 0 && k_lanes && d.bf16_dot && args.dtype == DType::bfloat16 &&
+                       args.a_dtype == DType::bfloat16 && rows_per_group > 2.0 && args.tile_m == 0 &&
+                       args.tile_n == 0;
+  const Family family = use_dot      ? (gated ? Family::dot_gated : Family::dot)
+                        : !use_matrix ? family_of(k_lanes, gated)
                         : !k_lanes ? Family::matrix_kn
                         : gated    ? Family::matrix_gated
                                    : Family::matrix;

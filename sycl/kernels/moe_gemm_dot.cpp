@@ -1,0 +1,207 @@
+// moe_xpu's bf16 dot-product kernel family for CPUs with AVX512-BF16 and no matrix engine.
+//
+// The vector kernels (moe_gemm.cpp) widen each bf16 weight to float32 and issue one FMA per
+// weight and row: the runtime compiler emits no bf16 dot-product instruction from SYCL source
+// (see docs/performance_targets.md). This family's k loop is written in x86 assembly instead,
+// which the runtime compiler carries through SPIR-V (SPV_INTEL_inline_assembly) to the CPU
+// backend: `vdpbf16ps` multiplies 32 bf16 pairs and adds them into 16 float32 lanes, twice the
+// vector kernels' products per instruction, with nothing to widen.
+//
+// The assembly is not vectorized across work-items: the runtime runs a sub-group's work-items'
+// copies of it one after another. So lane 0 of each sub-group does its worker's whole work, and
+// the launch plan is the K-split kernel's. A worker owns work units exactly as the other families do
+// (scheduler.hpp): one column tile of one group over up to kUnitRows rows. Its register tile is
+// 4 rows x 6 columns: 24 accumulators, 4 A vectors and one B vector of the 32 zmm registers. Lane
+// l of accumulator (i, j) sums the products of k = 32 s + 2 l and 32 s + 2 l + 1 over the steps s;
+// the 16 lanes are added by halves afterwards, and the last K % 32 elements with float FMAs:
+// a fixed order, so results are bitwise reproducible. (`vdpbf16ps` treats subnormal bf16 inputs
+// as zero and rounds like an FMA pair; the float kernels keep subnormals, so the two families'
+// last bits differ.)
+//
+// Only compiled where the device description says the CPU runs AVX512-BF16 code
+// (DeviceDescription::bf16_dot); never for a GPU.
+#include "epilogue.hpp"
+#include "scheduler.hpp"
+
+namespace moe_xpu {
+
+constexpr int kDotRows = 4;     // register tile rows
+constexpr int kDotCols = 6;     // register tile columns
+constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
+constexpr int64_t kDotSums = 32;  // floats of local memory for a tile's sums
+
+// One column of the 4 x 6 tile for one 32-element k step: B column j's 32 values into zmm28,
+// then one dot-product step into each row's accumulator (r0..r3: acc[0..3][j]).
+#define MOE_XPU_DOT_COLUMN(j, r0, r1, r2, r3)          \
+  "vmovdqu16 (%[b" #j "],%[ko]), %%zmm28\n\t"          \
+  "vdpbf16ps %%zmm28, %%zmm24, %%zmm" #r0 "\n\t"       \
+  "vdpbf16ps %%zmm28, %%zmm25, %%zmm" #r1 "\n\t"       \
+  "vdpbf16ps %%zmm28, %%zmm26, %%zmm" #r2 "\n\t"       \
+  "vdpbf16ps %%zmm28, %%zmm27, %%zmm" #r3 "\n\t"
+
+// Accumulator r's 16 lanes summed (halves added: 8, 4, 2, 1 lanes) into sums[r].
+#define MOE_XPU_DOT_SUM(r)                                   \
+  "vextractf64x4 $1, %%zmm" #r ", %%ymm29\n\t"                 \
+  "vaddps %%ymm29, %%ymm" #r ", %%ymm" #r "\n\t"                \
+  "vextractf32x4 $1, %%ymm" #r ", %%xmm29\n\t"                 \
+  "vaddps %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vpermilps $0x4e, %%xmm" #r ", %%xmm29\n\t"                  \
+  "vaddps %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vpermilps $0xb1, %%xmm" #r ", %%xmm29\n\t"                  \
+  "vaddss %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vmovss %%xmm" #r ", " #r "*4(%[sums])\n\t"
+
+// The sums of a 4 x 6 tile over k in [0, k_full), k_full a positive multiple of 32: sums[i * 6 + j].
+// a_end[i] and b_end[j] point k_full elements past the start of A row i and B column j: the loop
+// runs a negative byte offset up to zero. (The 16 lanes are added in the assembly: done in SYCL
+// code, the runtime vectorized that step across work-items into gathers, a fifth of the kernel's
+// time.) The tile's B columns stay in L1 or L2 across the unit's row tiles: walking K in chunks
+// (their accumulators parked in local memory in between) measured slower, chunks of 512 / 1024:
+// 1 expert of 256 rows, K 2048, N 1536, 4.3 -> 5.5 / 4.9 ms; 32 of 64 rows 44 -> 58 / 49 ms.
+inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
+                          const uint16_t* const (&b_end)[kDotCols], int64_t k_full) {
+  int64_t ko = -2 * k_full;
+  asm volatile(
+      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
+      "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
+      "vpxord %%zmm2, %%zmm2, %%zmm2\n\t"
+      "vpxord %%zmm3, %%zmm3, %%zmm3\n\t"
+      "vpxord %%zmm4, %%zmm4, %%zmm4\n\t"
+      "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"
+      "vpxord %%zmm6, %%zmm6, %%zmm6\n\t"
+      "vpxord %%zmm7, %%zmm7, %%zmm7\n\t"
+      "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"
+      "vpxord %%zmm9, %%zmm9, %%zmm9\n\t"
+      "vpxord %%zmm10, %%zmm10, %%zmm10\n\t"
+      "vpxord %%zmm11, %%zmm11, %%zmm11\n\t"
+      "vpxord %%zmm12, %%zmm12, %%zmm12\n\t"
+      "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"
+      "vpxord %%zmm14, %%zmm14, %%zmm14\n\t"
+      "vpxord %%zmm15, %%zmm15, %%zmm15\n\t"
+      "vpxord %%zmm16, %%zmm16, %%zmm16\n\t"
+      "vpxord %%zmm17, %%zmm17, %%zmm17\n\t"
+      "vpxord %%zmm18, %%zmm18, %%zmm18\n\t"
+      "vpxord %%zmm19, %%zmm19, %%zmm19\n\t"
+      "vpxord %%zmm20, %%zmm20, %%zmm20\n\t"
+      "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"
+      "vpxord %%zmm22, %%zmm22, %%zmm22\n\t"
+      "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
+      "1:\n\t"
+      "vmovdqu16 (%[a0],%[ko]), %%zmm24\n\t"
+      "vmovdqu16 (%[a1],%[ko]), %%zmm25\n\t"
+      "vmovdqu16 (%[a2],%[ko]), %%zmm26\n\t"
+      "vmovdqu16 (%[a3],%[ko]), %%zmm27\n\t"
+      MOE_XPU_DOT_COLUMN(0, 0, 6, 12, 18)
+      MOE_XPU_DOT_COLUMN(1, 1, 7, 13, 19)
+      MOE_XPU_DOT_COLUMN(2, 2, 8, 14, 20)
+      MOE_XPU_DOT_COLUMN(3, 3, 9, 15, 21)
+      MOE_XPU_DOT_COLUMN(4, 4, 10, 16, 22)
+      MOE_XPU_DOT_COLUMN(5, 5, 11, 17, 23)
+      "add $64, %[ko]\n\t"
+      "jnz 1b\n\t"
+      MOE_XPU_DOT_SUM(0) MOE_XPU_DOT_SUM(1) MOE_XPU_DOT_SUM(2) MOE_XPU_DOT_SUM(3)
+      MOE_XPU_DOT_SUM(4) MOE_XPU_DOT_SUM(5) MOE_XPU_DOT_SUM(6) MOE_XPU_DOT_SUM(7)
+      MOE_XPU_DOT_SUM(8) MOE_XPU_DOT_SUM(9) MOE_XPU_DOT_SUM(10) MOE_XPU_DOT_SUM(11)
+      MOE_XPU_DOT_SUM(12) MOE_XPU_DOT_SUM(13) MOE_XPU_DOT_SUM(14) MOE_XPU_DOT_SUM(15)
+      MOE_XPU_DOT_SUM(16) MOE_XPU_DOT_SUM(17) MOE_XPU_DOT_SUM(18) MOE_XPU_DOT_SUM(19)
+      MOE_XPU_DOT_SUM(20) MOE_XPU_DOT_SUM(21) MOE_XPU_DOT_SUM(22) MOE_XPU_DOT_SUM(23)
+      : [ko] "+r"(ko)
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),
+        [b0] "r"(b_end[0]), [b1] "r"(b_end[1]), [b2] "r"(b_end[2]), [b3] "r"(b_end[3]),
+        [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [sums] "r"(sums)
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",
+        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29");
+}
+
+#undef MOE_XPU_DOT_COLUMN
+#undef MOE_XPU_DOT_SUM
+
+// The K-split GEMM on bf16 A and bf16 B contiguous along K (b_stride_n: B's stride between
+// columns), the same parameters as moe_gemm_k_lanes so that the launcher drives both alike.
+// TM x TN is the plan's tile (4 x 6: gated tiles are 3 gate columns then the matching 3 up
+// columns).
+template <typename TOut, int TM, int TN, bool Gated>
+MOE_XPU_KERNEL
+void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                    int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_n,
+                    const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
+                    int64_t out_rows, const void* group_offsets, int offsets_is64, int64_t num_groups,
+                    int64_t K, int64_t N, int activation, int64_t up_offset, const void* scatter_index,
+                    int scatter_is64, const float* row_weight) {
+  static_assert(TM == kDotRows && TN == kDotCols, "the assembly is written for one register tile");
+  constexpr int out_cols = Gated ? TN / 2 : TN;
+  constexpr int outputs = TM * out_cols;  // a tile's output elements, spread over the lanes
+  // One worker per sub-group, as in the other families, and uniform control flow: the runtime
+  // vectorizes the kernel across the sub-group's work-items and runs each active work-item's copy
+  // of the assembly in turn, so only lane 0 runs it, and the lanes share the tile's epilogue.
+  // (With every work-item a worker, the 16 work-items' tiles ran interleaved, each with its own B
+  // slice and A rows; with lane 0 alone doing all the work, the rest of the kernel ran as 16-lane
+  // code with one lane active: both about as slow as the vector kernels.)
+  const Worker w = this_worker();
+  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
+  const int64_t k_full = K - K % kDotStep;
+  // The assembly's sums go to work-group local memory (one sub-group per work-group), where every
+  // lane reads them: a private array whose address the assembly takes is laid out across
+  // work-items by the runtime's vectorizer (element-major), which the assembly cannot know.
+  float* tile_sums = local_floats<kDotSums>();
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      unit_cost<uint16_t, TM, TN>(),
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * out_cols;
+        const uint16_t* b_col[TN];
+        for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + tile_b_column<TN, Gated>(n0, j, N, up_offset) * b_stride_n;
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+          auto a_row = [&](int i) {  // rows past the group repeat its last row; not stored
+            const int64_t m = m0 + (i < valid ? i : valid - 1);
+            return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+          };
+          if (g < num_groups && k_full > 0) {
+            const uint16_t* a_end[TM];
+            const uint16_t* b_end[TN];
+            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_full;
+            for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
+            if (w.lane == 0) dot_tile_sums(tile_sums, a_end, b_end, k_full);
+            sycl::group_barrier(w.sg);
+          }
+          // Lane l finishes output elements l and l + 16 (row i, column j; gated: the gate sum and
+          // its up sum): the K remainder, the bias, the activation, the row weight, the store.
+          #pragma unroll
+          for (int o0 = 0; o0 < outputs; o0 += kLanes) {
+            const int o = o0 + w.lane;
+            const int i = o / out_cols, j = o % out_cols;
+            if (o < outputs && i < valid && n0 + j < N) {
+              float v[Gated ? 2 : 1];
+              #pragma unroll
+              for (int h = 0; h < (Gated ? 2 : 1); ++h) {
+                const int col = j + h * out_cols;
+                float s = 0.0f;
+                if (g < num_groups) {
+                  const int64_t bn = tile_b_column<TN, Gated>(n0, col, N, up_offset);
+                  if (k_full > 0) s = tile_sums[i * TN + col];
+                  const uint16_t* ar = a_row(i);
+                  const uint16_t* bc = b + g * b_stride_e + bn * b_stride_n;
+                  for (int64_t k = k_full; k < K; ++k) s = sycl::fma(to_float(ar[k]), to_float(bc[k]), s);
+                  if (bias != nullptr) s += to_float(bias[g * bias_stride_e + bn]);
+                }
+                v[h] = s;
+              }
+              const float r = Gated ? activate(activation, v[0]) * v[Gated ? 1 : 0] : v[0];
+              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+              out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(r * t.weight);
+            }
+          }
+          sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
+        }
+      });
+}
+
+}  // namespace moe_xpu
+
+// Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
+// MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>".
+#define MOE_XPU_INSTANTIATE_K_DOT(TOut, TM, TN, GATED) \
+  template void moe_xpu::moe_gemm_k_dot<TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
