@@ -65,10 +65,8 @@ def info(warm_up: bool = False) -> None:
               f"(rows x columns per lane group; decode shape first); 4-bit weights decoded "
               f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
         print("  bf16 dot       " + ("AVX512-BF16 (vdpbf16ps) kernels for bf16 A and B where groups average "
-                                     "more than 2 rows, weights contiguous along K (MOE_XPU_BF16_DOT=0: off)"
-                                     if t["bf16_dot"] else "off (MOE_XPU_BF16_DOT=0)"
-                                     if os.environ.get("MOE_XPU_BF16_DOT") == "0" else
-                                     "none (needs AVX512-BF16 and the CPU's own OpenCL target)"))
+                                     "more than 2 rows, weights contiguous along K; self-check passed "
+                                     "(MOE_XPU_BF16_DOT=0: off)" if t["bf16_dot"] else C.bf16_dot_state()))
         limit = t["inline_flops"]
         weights = t["inline_bytes"]
         print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP" +

@@ -189,6 +189,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::arg("calling_thread") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("parked_openmp_library", &moe_xpu::parked_openmp_library);
+  m.def("bf16_dot_state", &moe_xpu::bf16_dot_state);
   m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
         py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),
         py::arg("scatter_index"));

@@ -258,13 +258,74 @@ bool cpu_amx_usable() {
 // OpenCL CPU compiler targets the CPU itself (no CL_CONFIG_CPU_TARGET_ARCH) or an AMX CPU (which
 // has AVX512-BF16 too): a target below it (the bench's --isa avx512 or avx2) means code limited to
 // that instruction set. MOE_XPU_BF16_DOT=0 turns them off.
-bool cpu_bf16_dot_usable() {
-  static const bool usable = [] {
-    const char* off = std::getenv("MOE_XPU_BF16_DOT");
-    if (off != nullptr && std::string(off) == "0") return false;
-    return (cpu_target().empty() || cpu_target_compiles_matrix()) && cpu_has_avx512_bf16();
+sycl::kernel_bundle<sycl::bundle_state::executable> build_source(sycl::queue& q, const std::string& source,
+                                                                 const std::vector<std::string>& names,
+                                                                 std::string* log);
+
+std::string cpu_bf16_dot_refusal() {
+  const char* off = std::getenv("MOE_XPU_BF16_DOT");
+  if (off != nullptr && std::string(off) == "0") return "off (MOE_XPU_BF16_DOT=0)";
+  if (!cpu_has_avx512_bf16()) return "none: the CPU has no AVX512-BF16";
+  if (!cpu_target().empty() && !cpu_target_compiles_matrix())
+    return "none: the OpenCL CPU target " + cpu_target() + " has no AVX512-BF16";
+  return "";
+}
+
+// Whether the dot kernels compute right on this device and runtime, checked once before any use:
+// their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
+// lane 0's copy, honouring its register clobbers) is not something the compiler checks. One tile
+// of small integers (exact in bf16 and in float sums) over 96 k against the sums on the host.
+// Returns "" when it passes, else why not.
+std::string bf16_dot_probe(sycl::queue q) {
+  constexpr int kRows = 4, kCols = 6, kK = 96;
+  std::vector<std::uint16_t> host(std::size_t(kRows + kCols) * kK);
+  auto bf16_of = [](int v) {
+    const float f = float(v);
+    std::uint32_t u = 0;
+    std::memcpy(&u, &f, 4);
+    return std::uint16_t(u >> 16);
+  };
+  std::vector<float> expected(kRows * kCols, 0.0f);
+  auto value = [](int row, int k) { return (row * 7 + k * 3) % 11 - 5; };
+  for (int r = 0; r < kRows + kCols; ++r)
+    for (int k = 0; k < kK; ++k) host[std::size_t(r) * kK + k] = bf16_of(value(r, k));
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kCols; ++j)
+      for (int k = 0; k < kK; ++k) expected[i * kCols + j] += float(value(i, k) * value(kRows + j, k));
+  try {
+    std::string log;
+    auto exe = build_source(q, std::string("#define MOE_XPU_DOT_PROBE\n") + kMoeGemmDotSource,
+                            {"moe_xpu_dot_probe"}, &log);
+    sycl::kernel k = exe.ext_oneapi_get_kernel("moe_xpu_dot_probe");
+    auto* data = sycl::malloc_shared<std::uint16_t>(host.size(), q);
+    auto* out = sycl::malloc_shared<float>(kRows * kCols, q);
+    std::memcpy(data, host.data(), host.size() * 2);
+    q.submit([&](sycl::handler& h) {
+       h.set_args(static_cast<const std::uint16_t*>(data), static_cast<const std::uint16_t*>(data + kRows * kK), out,
+                  std::int64_t(kK));
+       h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, k);
+     }).wait_and_throw();
+    const bool right = std::memcmp(out, expected.data(), expected.size() * 4) == 0;
+    sycl::free(data, q);
+    sycl::free(out, q);
+    return right ? "" : "none: the kernels' self-check gave wrong sums on this runtime";
+  } catch (const sycl::exception& e) {
+    return std::string("none: the kernels' self-check failed: ") + e.what();
+  }
+}
+
+// "" where the bf16 dot-product kernels (moe_gemm_dot.cpp) may run on q's device, else why not.
+// They need AVX512-BF16 in the CPU and in the OpenCL CPU compiler's target: its own (no
+// CL_CONFIG_CPU_TARGET_ARCH) or an AMX CPU (which has AVX512-BF16 too); a target below it (the
+// bench's --isa avx512 or avx2) means code limited to that instruction set. MOE_XPU_BF16_DOT=0
+// turns them off. Decided once per process.
+const std::string& bf16_dot_status(const sycl::queue& q) {
+  static const std::string* status = [&] {
+    std::string refusal = cpu_bf16_dot_refusal();
+    if (refusal.empty()) refusal = bf16_dot_probe(q);
+    return new std::string(refusal);
   }();
-  return usable;
+  return *status;
 }
 
 // A GPU's XMX tiles, from the matrix combinations it reports (sycl_ext_oneapi_matrix).
@@ -325,7 +386,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
   d.local_mem_size = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
-  d.bf16_dot = d.is_cpu && d.vector_width >= 16 && cpu_bf16_dot_usable();
+  d.bf16_dot = d.is_cpu && d.vector_width >= 16 && bf16_dot_status(q).empty();
   if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
@@ -942,6 +1003,13 @@ void launch_empty(std::uintptr_t queue, bool calling_thread) {
 bool native_cpu_launches() {
   sycl::queue* q = cpu_queue_or_null();
   return q != nullptr && native_calls_or_null(*q) != nullptr;
+}
+
+std::string bf16_dot_state() {
+  sycl::queue* q = cpu_queue_or_null();
+  if (q == nullptr) return "none: no SYCL CPU device";
+  const std::string& status = bf16_dot_status(*q);
+  return status.empty() ? "on" : status;
 }
 
 std::string parked_openmp_library() {

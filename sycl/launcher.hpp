@@ -206,6 +206,8 @@ void launch_empty(std::uintptr_t queue = 0, bool calling_thread = false);
 // The OpenMP library (torch's) whose threads sleep while the CPU device's thread pool runs a
 // launch; "" when none is loaded, torch runs one thread, or MOE_XPU_PARK_OPENMP=0.
 std::string parked_openmp_library();
+// "on" where the bf16 dot-product kernels run on the CPU device, else why not (python -m moe_xpu info).
+std::string bf16_dot_state();
 // Whether prepared launches on the CPU device are enqueued through OpenCL directly (false: through
 // SYCL; MOE_XPU_NATIVE_LAUNCH=0, or no OpenCL CPU device).
 bool native_cpu_launches();

@@ -671,9 +671,10 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape &&
                                                (rows_per_group > (kn_cpu ? 4.0 : 2.0) || streamed) &&
                                                args.tile_m == 0 && args.tile_n == 0);
-  // bf16 A and B on a CPU with AVX512-BF16 and no matrix engine at work: the dot-product kernels,
-  // where tiles of several rows reuse each B vector (the decode tile, one row a group, is bound by
-  // streaming the weights and stays on the vector kernel). Tile overrides address the vector kernels.
+  // bf16 A and B on a CPU with AVX512-BF16 where the matrix engine does not run: the dot-product
+  // kernels, where tiles of several rows reuse each B vector (the decode tile, one row a group, is
+  // bound by streaming the weights and stays on the vector kernel). Tile overrides address the
+  // vector kernels.
   const bool use_dot = !use_matrix && args.engine == 0 && k_lanes && d.bf16_dot && args.dtype == DType::bfloat16 &&
                        args.a_dtype == DType::bfloat16 && rows_per_group > 2.0 && args.tile_m == 0 &&
                        args.tile_n == 0;

@@ -2,11 +2,15 @@
 float64 reference, on CPUs that run them: the plan picks them where it should, and their sums are
 right on shapes that break the assembly's 32-element k step and its 4 x 6 tile (K below, at and past
 multiples of 32, N not a multiple of 6, short last row tiles), through index tables, with bias,
-gated, and bitwise the same for every worker count."""
+gated, and bitwise the same for every worker count. (N is never a multiple of 16, so that on CPUs
+with AMX, whose engine takes bf16 at whole 16-column tiles first, these shapes too run on them.)"""
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ from test_moe_gemm import ROUTINGS, offsets, route
 
 
 @pytest.fixture
-def C(C):
+def dot(C):
     """The launcher (conftest.py), on a CPU whose bf16 kernels include the dot-product family."""
     if not C.device_description(0)["bf16_dot"]:
         pytest.skip("no bf16 dot-product kernels here: needs a CPU with AVX512-BF16 and the OpenCL CPU "
@@ -43,28 +47,28 @@ def plan(C, a, b, offs, gather_index=None, out_dtype=None, **overrides):
     return C.plan_gemm(args), args, out
 
 
-def test_plan_picks_the_dot_kernels_for_bf16_groups_of_several_rows(C):
-    E, K, N = 8, 256, 96
+def test_plan_picks_the_dot_kernels_for_bf16_groups_of_several_rows(dot):
+    E, K, N = 8, 256, 90  # (N not a multiple of 16: the shapes an AMX engine does not take)
     b = linear_weights(E, K, N)
     many = torch.randn(8 * E, K, dtype=torch.bfloat16)
-    assert "moe_gemm_k_dot<" in plan(C, many, b, offsets([8] * E))[0].kernel_name
-    assert "moe_gemm_k_dot<float," in plan(C, many, b, offsets([8] * E), out_dtype=torch.float32)[0].kernel_name
+    assert "moe_gemm_k_dot<" in plan(dot, many, b, offsets([8] * E))[0].kernel_name
+    assert "moe_gemm_k_dot<float," in plan(dot, many, b, offsets([8] * E), out_dtype=torch.float32)[0].kernel_name
     # Decode (a row or two a group) streams the weights: the vector kernel's one-row tile.
     one = torch.randn(E, K, dtype=torch.bfloat16)
-    assert "moe_gemm_k_lanes<" in plan(C, one, b, offsets([1] * E))[0].kernel_name
+    assert "moe_gemm_k_lanes<" in plan(dot, one, b, offsets([1] * E))[0].kernel_name
     # [E, K, N] weights, float16, float32 A, the vector kernels forced or a tile override: not this family.
-    assert "k_dot" not in plan(C, many, b.contiguous(), offsets([8] * E))[0].kernel_name
-    assert "k_dot" not in plan(C, many.half(), b.half(), offsets([8] * E))[0].kernel_name
-    assert "k_dot" not in plan(C, many.float(), b, offsets([8] * E), out_dtype=torch.bfloat16)[0].kernel_name
-    assert "k_dot" not in plan(C, many, b, offsets([8] * E), engine=1)[0].kernel_name
-    assert "k_dot" not in plan(C, many, b, offsets([8] * E), tile_m=6, tile_n=4)[0].kernel_name
+    assert "k_dot" not in plan(dot, many, b.contiguous(), offsets([8] * E))[0].kernel_name
+    assert "k_dot" not in plan(dot, many.half(), b.half(), offsets([8] * E))[0].kernel_name
+    assert "k_dot" not in plan(dot, many.float(), b, offsets([8] * E), out_dtype=torch.bfloat16)[0].kernel_name
+    assert "k_dot" not in plan(dot, many, b, offsets([8] * E), engine=1)[0].kernel_name
+    assert "k_dot" not in plan(dot, many, b, offsets([8] * E), tile_m=6, tile_n=4)[0].kernel_name
 
 
 @pytest.mark.parametrize(
     "K,N,routing",
     list(itertools.product([32, 33, 95, 96, 1000], [1, 6, 7, 13], ROUTINGS)),
 )
-def test_matches_reference(C, K, N, routing):
+def test_matches_reference(dot, K, N, routing):
     E, T = 5, 41
     a = torch.randn(T, K, dtype=torch.bfloat16)
     b = linear_weights(E, K, N)
@@ -72,14 +76,14 @@ def test_matches_reference(C, K, N, routing):
     offs = offsets(counts)
     bias = torch.randn(E, N, dtype=torch.bfloat16)
     if T / E > 2:
-        assert "k_dot" in plan(C, a, b, offs)[0].kernel_name
+        assert "k_dot" in plan(dot, a, b, offs)[0].kernel_name
     out = moe_xpu.moe_gemm(a, b, offs, bias=bias)
     assert_matches_reference(out, a, b, offs, bias=bias)
     assert not out[int(offs[-1]) :].any(), "rows past group_offsets[-1] must be zero"
 
 
 @pytest.mark.parametrize("K", [31, 64, 130])
-def test_index_table_float_output_and_strided_rows(C, K):
+def test_index_table_float_output_and_strided_rows(dot, K):
     E, T, N = 4, 30, 20
     wide = torch.randn(T, K + 9, dtype=torch.bfloat16)
     a = wide[:, 3 : 3 + K]  # rows K + 9 elements apart
@@ -87,12 +91,12 @@ def test_index_table_float_output_and_strided_rows(C, K):
     counts = [11, 0, 27, 22]
     offs = offsets(counts)
     gather = torch.randint(0, T, (sum(counts),), dtype=torch.int64)
-    assert "k_dot" in plan(C, a, b, offs, gather)[0].kernel_name
+    assert "k_dot" in plan(dot, a, b, offs, gather)[0].kernel_name
     out = moe_xpu.moe_gemm(a, b, offs, gather_index=gather, out_dtype=torch.float32)
     assert_matches_reference(out, a, b, offs, gather_index=gather, out_dtype=torch.float32)
 
 
-def test_one_expert_takes_everything_and_zero_tokens(C):
+def test_one_expert_takes_everything_and_zero_tokens(dot):
     K, N = 4096 + 16, 30
     a = torch.randn(300, K, dtype=torch.bfloat16)
     b = linear_weights(3, K, N)
@@ -102,7 +106,7 @@ def test_one_expert_takes_everything_and_zero_tokens(C):
     assert empty.shape == (0, N)
 
 
-def test_non_finite_inputs_propagate(C):
+def test_non_finite_inputs_propagate(dot):
     E, K, N = 2, 64, 12
     a = torch.randn(12, K, dtype=torch.bfloat16)
     b = linear_weights(E, K, N)
@@ -115,16 +119,16 @@ def test_non_finite_inputs_propagate(C):
     assert out[rest].isfinite().all()
 
 
-def test_bitwise_the_same_for_every_worker_count(C):
+def test_bitwise_the_same_for_every_worker_count(dot):
     E, K, N = 6, 200, 50
     a = torch.randn(60, K, dtype=torch.bfloat16)
     b = linear_weights(E, K, N)
     offs = offsets([10, 3, 0, 25, 7, 15])
     outs = []
     for workers in (0, 1, 3, 16):
-        p, args, out = plan(C, a, b, offs, num_workers=workers)
+        p, args, out = plan(dot, a, b, offs, num_workers=workers)
         assert "k_dot" in p.kernel_name
-        C.moe_gemm(args)
+        dot.moe_gemm(args)
         outs.append(out)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
@@ -132,7 +136,7 @@ def test_bitwise_the_same_for_every_worker_count(C):
 
 
 @pytest.mark.parametrize("activation,bias", list(itertools.product(["silu", "gelu_tanh"], [False, True])))
-def test_fused_moe_on_the_dot_kernels(C, activation, bias):
+def test_fused_moe_on_the_dot_kernels(dot, activation, bias):
     # 40 tokens top-2 of 8 experts: 10 rows an expert, H = 101 (three k steps and a remainder),
     # I = 38. Both GEMMs run on the dot kernels (the first gated), with h in bf16 between them.
     x, gu, dn, w, ids, biases = make_block(40, 101, 38, 8, 2, torch.bfloat16, bias=bias)
@@ -144,3 +148,13 @@ def test_fused_moe_on_the_dot_kernels(C, activation, bias):
     again = moe_xpu.fused_moe(x, gu, dn, w, ids, activation=activation, gate_up_bias=biases[0],
                               down_bias=biases[1])
     assert torch.equal(out, again)
+
+
+def test_state_names_why_the_kernels_do_not_run(C):
+    # Unlike the tests above, on every CPU: "on" exactly where the device description has them.
+    state = C.bf16_dot_state()
+    assert (state == "on") == C.device_description(0)["bf16_dot"], state
+    code = "from moe_xpu import _runtime; print(_runtime.sycl_module().bf16_dot_state())"
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "MOE_XPU_BF16_DOT": "0"})
+    assert off.stdout.strip() == "off (MOE_XPU_BF16_DOT=0)"

@@ -90,6 +90,14 @@ inline Worker this_worker() {
                 static_cast<int>(sg.get_local_linear_id())};
 }
 
+// Count floats of work-group local memory (the vector kernels run one sub-group per work-group on
+// the CPU, so it is that sub-group's own).
+template <int64_t Count>
+inline float* local_floats() {
+  return *sycl::ext::oneapi::group_local_memory_for_overwrite<float[Count]>(
+      sycl::ext::oneapi::this_work_item::get_work_group<1>());
+}
+
 // The B column behind accumulator column j of a tile whose output columns start at n0: with the
 // gated epilogue a tile's TN columns are TN / 2 gate columns then the matching up columns (at
 // up_offset). Columns past N repeat the last one (computed, not stored).

@@ -43,14 +43,6 @@ __attribute__((always_inline)) inline void fma_step(float (&acc)[R][TN], const T
   }
 }
 
-// Count floats of work-group local memory (the vector kernels run one sub-group per work-group on
-// the CPU, so it is that sub-group's own).
-template <int64_t Count>
-inline float* local_floats() {
-  return *sycl::ext::oneapi::group_local_memory_for_overwrite<float[Count]>(
-      sycl::ext::oneapi::this_work_item::get_work_group<1>());
-}
-
 // The vector kernels' K chunks (KChunk > 0, CPU): a unit's row tiles run each chunk in turn and
 // park their partial sums in work-group local memory in between: [Tiles][TM][TN][16 lanes].
 // nullptr without chunks.

@@ -1,4 +1,5 @@
-// moe_xpu's bf16 dot-product kernel family for CPUs with AVX512-BF16 and no matrix engine.
+// moe_xpu's bf16 dot-product kernel family for CPUs with AVX512-BF16 (where no matrix engine takes
+// the call).
 //
 // The vector kernels (moe_gemm.cpp) widen each bf16 weight to float32 and issue one FMA per
 // weight and row: the runtime compiler emits no bf16 dot-product instruction from SYCL source
@@ -55,9 +56,8 @@ constexpr int64_t kDotSums = 32;  // floats of local memory for a tile's sums
 // a_end[i] and b_end[j] point k_full elements past the start of A row i and B column j: the loop
 // runs a negative byte offset up to zero. (The 16 lanes are added in the assembly: done in SYCL
 // code, the runtime vectorized that step across work-items into gathers, a fifth of the kernel's
-// time.) The tile's B columns stay in L1 or L2 across the unit's row tiles: walking K in chunks
-// (their accumulators parked in local memory in between) measured slower, chunks of 512 / 1024:
-// 1 expert of 256 rows, K 2048, N 1536, 4.3 -> 5.5 / 4.9 ms; 32 of 64 rows 44 -> 58 / 49 ms.
+// time.) The tile's B columns stay in L1 or L2 across the unit's row tiles: walking K in chunks,
+// the accumulators parked in local memory in between, measured slower.
 inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
                           const uint16_t* const (&b_end)[kDotCols], int64_t k_full) {
   int64_t ko = -2 * k_full;
@@ -200,6 +200,25 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
 }
 
 }  // namespace moe_xpu
+
+#ifdef MOE_XPU_DOT_PROBE
+// The launcher's check, before it lets a device use this family (launcher.cpp: bf16_dot_status):
+// one tile's sums over k elements of A rows a (4 x k) and B columns b (6 x k), computed as the
+// kernels compute them (lane 0 runs the assembly, the lanes read the sums from local memory).
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* sums = local_floats<kDotSums>();
+  const uint16_t* a_end[kDotRows];
+  const uint16_t* b_end[kDotCols];
+  for (int i = 0; i < kDotRows; ++i) a_end[i] = a + i * k + k;
+  for (int j = 0; j < kDotCols; ++j) b_end[j] = b + j * k + k;
+  if (w.lane == 0) dot_tile_sums(sums, a_end, b_end, k);
+  sycl::group_barrier(w.sg);
+  for (int o = w.lane; o < kDotRows * kDotCols; o += kLanes) out[o] = sums[o];
+}
+#endif
 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
 // MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>".
