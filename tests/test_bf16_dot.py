@@ -82,15 +82,15 @@ def test_matches_reference(dot, K, N, routing):
     assert not out[int(offs[-1]) :].any(), "rows past group_offsets[-1] must be zero"
 
 
-@pytest.mark.parametrize("K", [31, 64, 130])
-def test_index_table_float_output_and_strided_rows(dot, K):
+@pytest.mark.parametrize("K,index_dtype", list(itertools.product([31, 64, 130], [torch.int32, torch.int64])))
+def test_index_table_float_output_and_strided_rows(dot, K, index_dtype):
     E, T, N = 4, 30, 20
     wide = torch.randn(T, K + 9, dtype=torch.bfloat16)
     a = wide[:, 3 : 3 + K]  # rows K + 9 elements apart
     b = linear_weights(E, K, N)
     counts = [11, 0, 27, 22]
-    offs = offsets(counts)
-    gather = torch.randint(0, T, (sum(counts),), dtype=torch.int64)
+    offs = offsets(counts, index_dtype)
+    gather = torch.randint(0, T, (sum(counts),), dtype=index_dtype)
     assert "k_dot" in plan(dot, a, b, offs, gather)[0].kernel_name
     out = moe_xpu.moe_gemm(a, b, offs, gather_index=gather, out_dtype=torch.float32)
     assert_matches_reference(out, a, b, offs, gather_index=gather, out_dtype=torch.float32)
