@@ -239,7 +239,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::matrix_wgrad: return {TileShape{2 * engine_tile(d).m, 2}};
     // The register tile its assembly is written for: 24 accumulators, 4 A and 1 B vector.
     case Family::dot:
-    case Family::dot_gated: return {TileShape{4, 6}};
+    case Family::dot_gated: return {TileShape{kDotRows, kDotCols}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -309,7 +309,7 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dequant_matrix_gated:
     case Family::matrix_wgrad: return 0;
     case Family::dot:
-    case Family::dot_gated: return 32 * 4;  // a tile's sums (kDotSums in moe_gemm_dot.cpp)  // a tile's sums (kDotSumsSlot)
+    case Family::dot_gated: return kDotSums * 4;  // a tile's sums
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }

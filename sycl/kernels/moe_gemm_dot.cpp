@@ -26,10 +26,8 @@
 
 namespace moe_xpu {
 
-constexpr int kDotRows = 4;     // register tile rows
-constexpr int kDotCols = 6;     // register tile columns
+// (The tile, kDotRows x kDotCols, and kDotSums are in sizes.hpp, shared with the launcher.)
 constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
-constexpr int64_t kDotSums = 32;  // floats of local memory for a tile's sums
 
 // One column of the 4 x 6 tile for one 32-element k step: B column j's 32 values into zmm28,
 // then one dot-product step into each row's accumulator (r0..r3: acc[0..3][j]).
