@@ -67,6 +67,9 @@ def info(warm_up: bool = False) -> None:
         print("  bf16 dot       " + ("AVX512-BF16 (vdpbf16ps) kernels for bf16 A and B where groups average "
                                      "more than 2 rows, weights contiguous along K; self-check passed "
                                      "(MOE_XPU_BF16_DOT=0: off)" if t["bf16_dot"] else C.bf16_dot_state()))
+        print("  int8 dot       " + ("AVX512-VNNI (vpdpbusd) kernel for W8A8 where groups average more than 2 rows, "
+                                     "weights contiguous along K with one scale per output channel; self-check passed "
+                                     "(MOE_XPU_INT8_DOT=0: off)" if t["int8_dot"] else C.int8_dot_state()))
         limit = t["inline_flops"]
         weights = t["inline_bytes"]
         print("  small launches " + (f"up to {limit / 1e6:.2f} MFLOP" +

@@ -32,7 +32,7 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
                   py::arg("k_lanes_tiles") = tiles(Family::k_lanes, DType::float32),
                   py::arg("n_lanes_tiles") = tiles(Family::n_lanes, DType::float32),
                   py::arg("n_lanes_tiles_16bit") = tiles(Family::n_lanes, DType::bfloat16),
-                  py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d), py::arg("bf16_dot") = d.bf16_dot,
+                  py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d), py::arg("bf16_dot") = d.bf16_dot, py::arg("int8_dot") = d.int8_dot,
                   py::arg("inline_flops") = moe_xpu::inline_flops_limit(d),
                   py::arg("inline_bytes") = moe_xpu::inline_bytes_limit(d));
 }
@@ -189,7 +189,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::arg("calling_thread") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("parked_openmp_library", &moe_xpu::parked_openmp_library);
-  m.def("bf16_dot_state", &moe_xpu::bf16_dot_state);
+  m.def("bf16_dot_state", [] { return moe_xpu::dot_state(false); });
+  m.def("int8_dot_state", [] { return moe_xpu::dot_state(true); });
   m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
         py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),
         py::arg("scatter_index"));

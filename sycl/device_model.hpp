@@ -36,6 +36,9 @@ struct DeviceDescription {
   // CPU: the compiler's target and the CPU run AVX512-BF16 (vdpbf16ps), which the bf16 dot-product
   // kernels (moe_gemm_dot.cpp) are written in. GPUs: false.
   bool bf16_dot = false;
+  // CPU: the compiler's target and the CPU run AVX512-VNNI (vpdpbusd), which the W8A8 dot-product
+  // kernel (moe_gemm_dot.cpp) is written in. GPUs: false.
+  bool int8_dot = false;
 
   bool has_matrix_shape(int m, int n, int k) const {
     for (const MatrixShape& s : matrix_shapes)

@@ -208,16 +208,27 @@ bool cpu_has_amx_fp16() {
   return cpu_has_amx_bf16() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 21) & 1u);
 }
 
-// AVX512-BF16 (CPUID leaf 7 sub-leaf 1: EAX bit 5) with AVX512-BW (leaf 7: EBX bit 30) and the OS
-// saving the zmm state (XCR0 bits 1, 2 and 5-7): what the bf16 dot-product kernels execute.
-bool cpu_has_avx512_bf16() {
+// AVX-512 with BW (CPUID leaf 7: EBX bits 16 and 30) and the OS saving the zmm state (XCR0 bits
+// 1, 2 and 5-7): what the dot-product kernels' assembly needs besides its dot-product instruction.
+bool cpu_has_avx512_bw() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((ebx >> 30) & 1u)) return false;
-  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !((eax >> 5) & 1u)) return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((ebx >> 16) & 1u) || !((ebx >> 30) & 1u)) return false;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1u)) return false;  // OSXSAVE
   unsigned lo = 0, hi = 0;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return (lo & 0xe6u) == 0xe6u;
+}
+
+// AVX512-BF16 (CPUID leaf 7 sub-leaf 1: EAX bit 5): vdpbf16ps, the bf16 dot-product kernels.
+bool cpu_has_avx512_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return cpu_has_avx512_bw() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1u);
+}
+
+// AVX512-VNNI (CPUID leaf 7: ECX bit 11): vpdpbusd, the W8A8 dot-product kernel.
+bool cpu_has_avx512_vnni() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return cpu_has_avx512_bw() && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((ecx >> 11) & 1u);
 }
 
 std::string cpu_target() {
@@ -260,69 +271,104 @@ sycl::kernel_bundle<sycl::bundle_state::executable> build_source(sycl::queue& q,
                                                                  const std::vector<std::string>& names,
                                                                  std::string* log);
 
-// Why the CPU or the environment rules the bf16 dot-product kernels out ("" if neither does).
-std::string cpu_bf16_dot_refusal() {
-  const char* off = std::getenv("MOE_XPU_BF16_DOT");
-  if (off != nullptr && std::string(off) == "0") return "off (MOE_XPU_BF16_DOT=0)";
-  if (!cpu_has_avx512_bf16()) return "none: the CPU has no AVX512-BF16";
+// Why the CPU or the environment rules a dot-product kernel family out ("" if neither does): `off`
+// names its environment switch, `has` tests the CPU, `isa` names the instruction set. The OpenCL
+// CPU compiler's target must have it too: its own (no CL_CONFIG_CPU_TARGET_ARCH) or an AMX CPU
+// (which has AVX512-BF16 and AVX512-VNNI); a target below it (the bench's --isa avx512 or avx2)
+// means code limited to that instruction set.
+std::string cpu_dot_refusal(const char* off, bool (*has)(), const char* isa) {
+  const char* value = std::getenv(off);
+  if (value != nullptr && std::string(value) == "0") return std::string("off (") + off + "=0)";
+  if (!has()) return std::string("none: the CPU has no ") + isa;
   if (!cpu_target().empty() && !cpu_target_compiles_matrix())
-    return "none: the OpenCL CPU target " + cpu_target() + " has no AVX512-BF16";
+    return "none: the OpenCL CPU target " + cpu_target() + " has no " + isa;
   return "";
+}
+
+// Runs one of moe_gemm_dot.cpp's probe kernels (one sub-group; arguments a, b, out, k) and compares
+// its output with `expected` bitwise. "" when it matches, else why not.
+template <typename T, typename R>
+std::string run_dot_probe(sycl::queue& q, sycl::kernel k, const std::vector<T>& a, const std::vector<T>& b,
+                          std::int64_t kk, const std::vector<R>& expected) {
+  auto* data = sycl::malloc_shared<T>(a.size() + b.size(), q);
+  auto* out = sycl::malloc_shared<R>(expected.size(), q);
+  std::memcpy(data, a.data(), a.size() * sizeof(T));
+  std::memcpy(data + a.size(), b.data(), b.size() * sizeof(T));
+  q.submit([&](sycl::handler& h) {
+     h.set_args(static_cast<const T*>(data), static_cast<const T*>(data + a.size()), out, kk);
+     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, k);
+   }).wait_and_throw();
+  const bool right = std::memcmp(out, expected.data(), expected.size() * sizeof(R)) == 0;
+  sycl::free(data, q);
+  sycl::free(out, q);
+  return right ? "" : "none: the kernels' self-check gave wrong sums on this runtime";
 }
 
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:
 // their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
-// lane 0's copy, honouring its register clobbers) is not something the compiler checks. One tile
-// of small integers (exact in bf16 and in float sums) over 96 k against the sums on the host.
-// Returns "" when it passes, else why not.
-std::string bf16_dot_probe(sycl::queue q) {
-  constexpr int kRows = kDotRows, kCols = kDotCols, kK = 96;
-  std::vector<std::uint16_t> host(std::size_t(kRows + kCols) * kK);
-  auto bf16_of = [](int v) {
-    const float f = float(v);
-    std::uint32_t u = 0;
-    std::memcpy(&u, &f, 4);
-    return std::uint16_t(u >> 16);
-  };
-  std::vector<float> expected(kRows * kCols, 0.0f);
-  auto value = [](int row, int k) { return (row * 7 + k * 3) % 11 - 5; };
-  for (int r = 0; r < kRows + kCols; ++r)
-    for (int k = 0; k < kK; ++k) host[std::size_t(r) * kK + k] = bf16_of(value(r, k));
-  for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kCols; ++j)
-      for (int k = 0; k < kK; ++k) expected[i * kCols + j] += float(value(i, k) * value(kRows + j, k));
+// lane 0's copy, honouring its register clobbers) is not something the compiler checks. bf16: one
+// tile of small integers (exact in bf16 and in float sums) over 96 k; int8: one tile over 192 k
+// holding -128 and 127, whose int32 sums (with the +128 correction) must be exact.
+struct DotStatus {
+  std::string bf16, int8;  // "" where the family may run, else why not
+};
+
+DotStatus dot_probes(sycl::queue q, DotStatus status) {
+  constexpr int kRows = kDotRows, kCols = kDotCols;
+  std::vector<std::string> names;
+  if (status.bf16.empty()) names.push_back("moe_xpu_dot_probe");
+  if (status.int8.empty()) names.push_back("moe_xpu_int8_dot_probe");
+  if (names.empty()) return status;
   try {
     std::string log;
-    auto exe = build_source(q, std::string("#define MOE_XPU_DOT_PROBE\n") + kMoeGemmDotSource,
-                            {"moe_xpu_dot_probe"}, &log);
-    sycl::kernel k = exe.ext_oneapi_get_kernel("moe_xpu_dot_probe");
-    auto* data = sycl::malloc_shared<std::uint16_t>(host.size(), q);
-    auto* out = sycl::malloc_shared<float>(kRows * kCols, q);
-    std::memcpy(data, host.data(), host.size() * 2);
-    q.submit([&](sycl::handler& h) {
-       h.set_args(static_cast<const std::uint16_t*>(data), static_cast<const std::uint16_t*>(data + kRows * kK), out,
-                  std::int64_t(kK));
-       h.parallel_for(sycl::nd_range<1>{sycl::range<1>(kSubGroupSize), sycl::range<1>(kSubGroupSize)}, k);
-     }).wait_and_throw();
-    const bool right = std::memcmp(out, expected.data(), expected.size() * 4) == 0;
-    sycl::free(data, q);
-    sycl::free(out, q);
-    return right ? "" : "none: the kernels' self-check gave wrong sums on this runtime";
+    auto exe = build_source(q, std::string("#define MOE_XPU_DOT_PROBE\n") + kMoeGemmDotSource, names, &log);
+    if (status.bf16.empty()) {
+      constexpr int kK = 96;
+      auto value = [](int row, int k) { return (row * 7 + k * 3) % 11 - 5; };
+      auto bf16_of = [](int v) {
+        const float f = float(v);
+        std::uint32_t u = 0;
+        std::memcpy(&u, &f, 4);
+        return std::uint16_t(u >> 16);
+      };
+      std::vector<std::uint16_t> a(kRows * kK), b(kCols * kK);
+      std::vector<float> expected(kRows * kCols, 0.0f);
+      for (int k = 0; k < kK; ++k) {
+        for (int i = 0; i < kRows; ++i) a[i * kK + k] = bf16_of(value(i, k));
+        for (int j = 0; j < kCols; ++j) b[j * kK + k] = bf16_of(value(kRows + j, k));
+        for (int i = 0; i < kRows; ++i)
+          for (int j = 0; j < kCols; ++j) expected[i * kCols + j] += float(value(i, k) * value(kRows + j, k));
+      }
+      status.bf16 = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_dot_probe"), a, b, kK, expected);
+    }
+    if (status.int8.empty()) {
+      constexpr int kK = 192;
+      auto value = [](int row, int k) { return (row + k) % 5 == 0 ? -128 : (row + k) % 7 == 0 ? 127 : (row * 37 + k * 11) % 255 - 127; };
+      std::vector<std::int8_t> a(kRows * kK), b(kCols * kK);
+      std::vector<std::int32_t> expected(kRows * kCols, 0);
+      for (int k = 0; k < kK; ++k) {
+        for (int i = 0; i < kRows; ++i) a[i * kK + k] = std::int8_t(value(i, k));
+        for (int j = 0; j < kCols; ++j) b[j * kK + k] = std::int8_t(value(kRows + j, k));
+        for (int i = 0; i < kRows; ++i)
+          for (int j = 0; j < kCols; ++j) expected[i * kCols + j] += value(i, k) * value(kRows + j, k);
+      }
+      status.int8 = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_int8_dot_probe"), a, b, kK, expected);
+    }
   } catch (const sycl::exception& e) {
-    return std::string("none: the kernels' self-check failed: ") + e.what();
+    const std::string failed = std::string("none: the kernels' self-check failed: ") + e.what();
+    if (status.bf16.empty()) status.bf16 = failed;
+    if (status.int8.empty()) status.int8 = failed;
   }
+  return status;
 }
 
-// "" where the bf16 dot-product kernels (moe_gemm_dot.cpp) may run on q's device, else why not.
-// They need AVX512-BF16 in the CPU and in the OpenCL CPU compiler's target: its own (no
-// CL_CONFIG_CPU_TARGET_ARCH) or an AMX CPU (which has AVX512-BF16 too); a target below it (the
-// bench's --isa avx512 or avx2) means code limited to that instruction set. MOE_XPU_BF16_DOT=0
-// turns them off. Decided once per process.
-const std::string& bf16_dot_status(const sycl::queue& q) {
-  static const std::string* status = [&] {
-    std::string refusal = cpu_bf16_dot_refusal();
-    if (refusal.empty()) refusal = bf16_dot_probe(q);
-    return new std::string(refusal);
+// Where the dot-product kernels (moe_gemm_dot.cpp) may run on q's device: bf16 (AVX512-BF16,
+// MOE_XPU_BF16_DOT=0 turns it off) and W8A8 int8 (AVX512-VNNI, MOE_XPU_INT8_DOT=0). Decided
+// once per process.
+const DotStatus& dot_status(const sycl::queue& q) {
+  static const DotStatus* status = [&] {
+    return new DotStatus(dot_probes(q, DotStatus{cpu_dot_refusal("MOE_XPU_BF16_DOT", cpu_has_avx512_bf16, "AVX512-BF16"),
+                                                 cpu_dot_refusal("MOE_XPU_INT8_DOT", cpu_has_avx512_vnni, "AVX512-VNNI")}));
   }();
   return *status;
 }
@@ -385,7 +431,8 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
   d.local_mem_size = std::int64_t(dev.get_info<sycl::info::device::local_mem_size>());
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
-  d.bf16_dot = d.is_cpu && d.vector_width >= 16 && bf16_dot_status(q).empty();
+  d.bf16_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).bf16.empty();
+  d.int8_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).int8.empty();
   if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
@@ -544,7 +591,8 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
 
   // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
   // each target its own cache directory.)
-  std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n"
+  std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n" +
+                                             (t == DType::int8 && d.int8_dot ? std::string(kMoeGemmDotSource) + "\n" : std::string())
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
   if (t == DType::bfloat16 && d.bf16_dot) source += std::string(kMoeGemmDotSource) + "\n";
@@ -1004,10 +1052,10 @@ bool native_cpu_launches() {
   return q != nullptr && native_calls_or_null(*q) != nullptr;
 }
 
-std::string bf16_dot_state() {
+std::string dot_state(bool int8) {
   sycl::queue* q = cpu_queue_or_null();
   if (q == nullptr) return "none: no SYCL CPU device";
-  const std::string& status = bf16_dot_status(*q);
+  const std::string& status = int8 ? dot_status(*q).int8 : dot_status(*q).bf16;
   return status.empty() ? "on" : status;
 }
 

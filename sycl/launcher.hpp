@@ -206,8 +206,9 @@ void launch_empty(std::uintptr_t queue = 0, bool calling_thread = false);
 // The OpenMP library (torch's) whose threads sleep while the CPU device's thread pool runs a
 // launch; "" when none is loaded, torch runs one thread, or MOE_XPU_PARK_OPENMP=0.
 std::string parked_openmp_library();
-// "on" where the bf16 dot-product kernels run on the CPU device, else why not (python -m moe_xpu info).
-std::string bf16_dot_state();
+// "on" where the dot-product kernels run on the CPU device, else why not (python -m moe_xpu info):
+// the bf16 ones (int8 false) or the W8A8 one (int8 true).
+std::string dot_state(bool int8);
 // Whether prepared launches on the CPU device are enqueued through OpenCL directly (false: through
 // SYCL; MOE_XPU_NATIVE_LAUNCH=0, or no OpenCL CPU device).
 bool native_cpu_launches();

@@ -239,7 +239,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::matrix_wgrad: return {TileShape{2 * engine_tile(d).m, 2}};
     // The register tile its assembly is written for: 24 accumulators, 4 A and 1 B vector.
     case Family::dot:
-    case Family::dot_gated: return {TileShape{kDotRows, kDotCols}};
+    case Family::dot_gated:
+    case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -310,6 +311,7 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::matrix_wgrad: return 0;
     case Family::dot:
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
+    case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -348,6 +350,10 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
          << ", " << e.m << ", " << e.n << ", " << e.k << ", " << e.sub_group_size;
     return args.str();
   }
+  if (f == Family::quant_dot) {
+    args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+    return args.str();
+  }
   if (f == Family::dot || f == Family::dot_gated) {
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ", " << (f == Family::dot_gated ? "true" : "false");
     return args.str();
@@ -384,6 +390,7 @@ std::string kernel_base(Family f) {
     case Family::matrix_wgrad: return "matrix_wgrad";
     case Family::dot:
     case Family::dot_gated: return "k_dot";
+    case Family::quant_dot: return "quant_dot";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -404,7 +411,7 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 // The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
 bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
-         f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated;
+         f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::quant_dot;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -491,6 +498,8 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
         if (f == Family::quant_gated && a == DType::int8) continue;  // the fused MoE runs weight-only
         for (TileShape s : family_tiles(f, d, t)) variants.push_back(Variant{f, a, t, out, s});
       }
+    if (d.int8_dot && t == DType::int8)
+      variants.push_back(Variant{Family::quant_dot, DType::int8, t, out, family_tiles(Family::quant_dot, d, t)[0]});
     if (engine_takes(d, t) && t == DType::int8)
       variants.push_back(Variant{Family::quant_matrix, DType::int8, t, out, family_tiles(Family::quant_matrix, d, t)[0]});
     if (dequantizes_to_engine(d, t, out))
@@ -604,11 +613,14 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
         "steps and N a multiple of its tile");
   const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape && (w8a8 || rows_per_group > 4.0) &&
                                                args.tile_m == 0 && args.tile_n == 0);
-  const Family family = !use_matrix ? (gated ? Family::quant_gated : Family::quant)
+  const bool use_dot = !use_matrix && w8a8 && d.int8_dot && args.engine == 0 && args.b_stride_k == 1 &&
+                       args.scale_block_k >= args.K && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
+  const Family family = use_dot      ? Family::quant_dot
+                        : !use_matrix ? (gated ? Family::quant_gated : Family::quant)
                         : w8a8      ? Family::quant_matrix
                         : gated     ? Family::dequant_matrix_gated
                                     : Family::dequant_matrix;
-  const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix);
+  const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix && !use_dot);
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;

@@ -24,7 +24,7 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // dequantized into the engine's bf16 tiles; matrix_wgrad: the weight gradient on the matrix engine;
 // dot / dot_gated: bf16 K-split with AVX512-BF16 dot products (CPU only, moe_gemm_dot.cpp).
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
-                    quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated };
+                    quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated, quant_dot };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).

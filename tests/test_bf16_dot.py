@@ -150,11 +150,14 @@ def test_fused_moe_on_the_dot_kernels(dot, activation, bias):
     assert torch.equal(out, again)
 
 
-def test_state_names_why_the_kernels_do_not_run(C):
-    # Unlike the tests above, on every CPU: "on" exactly where the device description has them.
-    state = C.bf16_dot_state()
-    assert (state == "on") == C.device_description(0)["bf16_dot"], state
-    code = "from moe_xpu import _runtime; print(_runtime.sycl_module().bf16_dot_state())"
+@pytest.mark.parametrize("family", ["bf16", "int8"])
+def test_state_names_why_the_kernels_do_not_run(C, family):
+    # Unlike the tests above, on every CPU: "on" exactly where the device description has them
+    # (both dot-product families: bf16, and test_int8_dot.py's W8A8 kernel).
+    state = getattr(C, f"{family}_dot_state")()
+    assert (state == "on") == C.device_description(0)[f"{family}_dot"], state
+    switch = f"MOE_XPU_{family.upper()}_DOT"
+    code = f"from moe_xpu import _runtime; print(_runtime.sycl_module().{family}_dot_state())"
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "MOE_XPU_BF16_DOT": "0"})
-    assert off.stdout.strip() == "off (MOE_XPU_BF16_DOT=0)"
+                         env={**os.environ, switch: "0"})
+    assert off.stdout.strip() == f"off ({switch}=0)"

@@ -19,8 +19,13 @@
 // as zero and rounds like an FMA pair; the float kernels keep subnormals, so the two families'
 // last bits differ.)
 //
+// The W8A8 kernel (moe_gemm_quant_dot) is the same design on AVX512-VNNI: `vpdpbusd` multiplies
+// 64 unsigned-by-signed byte pairs into 16 int32 lanes, four times the products per instruction of
+// the float FMA. Its integer sums are exact and scaled once, as the int8 matrix-engine kernel does
+// (moe_gemm_quant_matrix), by the same formula.
+//
 // Only compiled where the device description says the CPU runs AVX512-BF16 code
-// (DeviceDescription::bf16_dot); never for a GPU.
+// (DeviceDescription::bf16_dot) or AVX512-VNNI code (int8_dot); never for a GPU.
 #include "epilogue.hpp"
 #include "scheduler.hpp"
 
@@ -28,6 +33,23 @@ namespace moe_xpu {
 
 // (The tile, kDotRows x kDotCols, and kDotSums are in sizes.hpp, shared with the launcher.)
 constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
+
+// The tile's 24 accumulators zmm0..zmm23 (acc[i][j] in zmm(6 i + j)) zeroed, and summed into
+// sums[0..23] by a SUM(r) macro.
+#define MOE_XPU_DOT_ZERO_TILE                                                                                   \
+  "vpxord %%zmm0, %%zmm0, %%zmm0\n\t" "vpxord %%zmm1, %%zmm1, %%zmm1\n\t" "vpxord %%zmm2, %%zmm2, %%zmm2\n\t"       \
+  "vpxord %%zmm3, %%zmm3, %%zmm3\n\t" "vpxord %%zmm4, %%zmm4, %%zmm4\n\t" "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"       \
+  "vpxord %%zmm6, %%zmm6, %%zmm6\n\t" "vpxord %%zmm7, %%zmm7, %%zmm7\n\t" "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"       \
+  "vpxord %%zmm9, %%zmm9, %%zmm9\n\t" "vpxord %%zmm10, %%zmm10, %%zmm10\n\t" "vpxord %%zmm11, %%zmm11, %%zmm11\n\t" \
+  "vpxord %%zmm12, %%zmm12, %%zmm12\n\t" "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"                                   \
+  "vpxord %%zmm14, %%zmm14, %%zmm14\n\t" "vpxord %%zmm15, %%zmm15, %%zmm15\n\t"                                   \
+  "vpxord %%zmm16, %%zmm16, %%zmm16\n\t" "vpxord %%zmm17, %%zmm17, %%zmm17\n\t"                                   \
+  "vpxord %%zmm18, %%zmm18, %%zmm18\n\t" "vpxord %%zmm19, %%zmm19, %%zmm19\n\t"                                   \
+  "vpxord %%zmm20, %%zmm20, %%zmm20\n\t" "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"                                   \
+  "vpxord %%zmm22, %%zmm22, %%zmm22\n\t" "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
+#define MOE_XPU_DOT_TILE_SUMS(SUM)                                                                     \
+  SUM(0) SUM(1) SUM(2) SUM(3) SUM(4) SUM(5) SUM(6) SUM(7) SUM(8) SUM(9) SUM(10) SUM(11) SUM(12) SUM(13) \
+  SUM(14) SUM(15) SUM(16) SUM(17) SUM(18) SUM(19) SUM(20) SUM(21) SUM(22) SUM(23)
 
 // One column of the 4 x 6 tile for one 32-element k step: B column j's 32 values into zmm28,
 // then one dot-product step into each row's accumulator (r0..r3: acc[0..3][j]).
@@ -60,30 +82,7 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
                           const uint16_t* const (&b_end)[kDotCols], int64_t k_full) {
   int64_t ko = -2 * k_full;
   asm volatile(
-      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
-      "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
-      "vpxord %%zmm2, %%zmm2, %%zmm2\n\t"
-      "vpxord %%zmm3, %%zmm3, %%zmm3\n\t"
-      "vpxord %%zmm4, %%zmm4, %%zmm4\n\t"
-      "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"
-      "vpxord %%zmm6, %%zmm6, %%zmm6\n\t"
-      "vpxord %%zmm7, %%zmm7, %%zmm7\n\t"
-      "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"
-      "vpxord %%zmm9, %%zmm9, %%zmm9\n\t"
-      "vpxord %%zmm10, %%zmm10, %%zmm10\n\t"
-      "vpxord %%zmm11, %%zmm11, %%zmm11\n\t"
-      "vpxord %%zmm12, %%zmm12, %%zmm12\n\t"
-      "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"
-      "vpxord %%zmm14, %%zmm14, %%zmm14\n\t"
-      "vpxord %%zmm15, %%zmm15, %%zmm15\n\t"
-      "vpxord %%zmm16, %%zmm16, %%zmm16\n\t"
-      "vpxord %%zmm17, %%zmm17, %%zmm17\n\t"
-      "vpxord %%zmm18, %%zmm18, %%zmm18\n\t"
-      "vpxord %%zmm19, %%zmm19, %%zmm19\n\t"
-      "vpxord %%zmm20, %%zmm20, %%zmm20\n\t"
-      "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"
-      "vpxord %%zmm22, %%zmm22, %%zmm22\n\t"
-      "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
+      MOE_XPU_DOT_ZERO_TILE
       "1:\n\t"
       "vmovdqu16 (%[a0],%[ko]), %%zmm24\n\t"
       "vmovdqu16 (%[a1],%[ko]), %%zmm25\n\t"
@@ -97,12 +96,7 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
       MOE_XPU_DOT_COLUMN(5, 5, 11, 17, 23)
       "add $64, %[ko]\n\t"
       "jnz 1b\n\t"
-      MOE_XPU_DOT_SUM(0) MOE_XPU_DOT_SUM(1) MOE_XPU_DOT_SUM(2) MOE_XPU_DOT_SUM(3)
-      MOE_XPU_DOT_SUM(4) MOE_XPU_DOT_SUM(5) MOE_XPU_DOT_SUM(6) MOE_XPU_DOT_SUM(7)
-      MOE_XPU_DOT_SUM(8) MOE_XPU_DOT_SUM(9) MOE_XPU_DOT_SUM(10) MOE_XPU_DOT_SUM(11)
-      MOE_XPU_DOT_SUM(12) MOE_XPU_DOT_SUM(13) MOE_XPU_DOT_SUM(14) MOE_XPU_DOT_SUM(15)
-      MOE_XPU_DOT_SUM(16) MOE_XPU_DOT_SUM(17) MOE_XPU_DOT_SUM(18) MOE_XPU_DOT_SUM(19)
-      MOE_XPU_DOT_SUM(20) MOE_XPU_DOT_SUM(21) MOE_XPU_DOT_SUM(22) MOE_XPU_DOT_SUM(23)
+      MOE_XPU_DOT_TILE_SUMS(MOE_XPU_DOT_SUM)
       : [ko] "+r"(ko)
       : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),
         [b0] "r"(b_end[0]), [b1] "r"(b_end[1]), [b2] "r"(b_end[2]), [b3] "r"(b_end[3]),
@@ -114,6 +108,87 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
 
 #undef MOE_XPU_DOT_COLUMN
 #undef MOE_XPU_DOT_SUM
+
+// W8A8 (AVX512-VNNI): one column of the 4 x 6 tile for one 64-element k step. vpdpbusd multiplies
+// unsigned bytes by signed ones, so A's bytes are flipped to A + 128 (xor 0x80, zmm29) as they are
+// loaded, and 128 x the column's sum of B is subtracted afterwards (see dot_int8_column_sums).
+#define MOE_XPU_DOT8_COLUMN(j, r0, r1, r2, r3)          \
+  "vmovdqu8 (%[b" #j "],%[ko]), %%zmm28\n\t"          \
+  "vpdpbusd %%zmm28, %%zmm24, %%zmm" #r0 "\n\t"       \
+  "vpdpbusd %%zmm28, %%zmm25, %%zmm" #r1 "\n\t"       \
+  "vpdpbusd %%zmm28, %%zmm26, %%zmm" #r2 "\n\t"       \
+  "vpdpbusd %%zmm28, %%zmm27, %%zmm" #r3 "\n\t"
+#define MOE_XPU_DOT8_A(i, r) \
+  "vmovdqu8 (%[a" #i "],%[ko]), %%zmm" #r "\n\t" "vpxord %%zmm29, %%zmm" #r ", %%zmm" #r "\n\t"
+#define MOE_XPU_DOT8_SUM(r)                                   \
+  "vextracti64x4 $1, %%zmm" #r ", %%ymm30\n\t"                 \
+  "vpaddd %%ymm30, %%ymm" #r ", %%ymm" #r "\n\t"                \
+  "vextracti32x4 $1, %%ymm" #r ", %%xmm30\n\t"                 \
+  "vpaddd %%xmm30, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vpshufd $0x4e, %%xmm" #r ", %%xmm30\n\t"                    \
+  "vpaddd %%xmm30, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vpshufd $0xb1, %%xmm" #r ", %%xmm30\n\t"                    \
+  "vpaddd %%xmm30, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vmovd %%xmm" #r ", " #r "*4(%[sums])\n\t"
+
+// The int32 sums of (A + 128) x B of a 4 x 6 tile over k in [0, k_full), k_full a positive
+// multiple of 64: sums[i * 6 + j]. Pointers as for dot_tile_sums.
+inline void dot_int8_tile_sums(int32_t* sums, const int8_t* const (&a_end)[kDotRows],
+                               const int8_t* const (&b_end)[kDotCols], int64_t k_full) {
+  int64_t ko = -k_full;
+  asm volatile(
+      "vpbroadcastd %[flip], %%zmm29\n\t"
+      MOE_XPU_DOT_ZERO_TILE
+      "1:\n\t"
+      MOE_XPU_DOT8_A(0, 24) MOE_XPU_DOT8_A(1, 25) MOE_XPU_DOT8_A(2, 26) MOE_XPU_DOT8_A(3, 27)
+      MOE_XPU_DOT8_COLUMN(0, 0, 6, 12, 18)
+      MOE_XPU_DOT8_COLUMN(1, 1, 7, 13, 19)
+      MOE_XPU_DOT8_COLUMN(2, 2, 8, 14, 20)
+      MOE_XPU_DOT8_COLUMN(3, 3, 9, 15, 21)
+      MOE_XPU_DOT8_COLUMN(4, 4, 10, 16, 22)
+      MOE_XPU_DOT8_COLUMN(5, 5, 11, 17, 23)
+      "add $64, %[ko]\n\t"
+      "jnz 1b\n\t"
+      MOE_XPU_DOT_TILE_SUMS(MOE_XPU_DOT8_SUM)
+      : [ko] "+r"(ko)
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),
+        [b0] "r"(b_end[0]), [b1] "r"(b_end[1]), [b2] "r"(b_end[2]), [b3] "r"(b_end[3]),
+        [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [sums] "r"(sums), [flip] "r"(0x80808080u)
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",
+        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30");
+}
+
+// Column sums of the tile's 6 int8 B columns over k in [0, k_full) (vpdpbusd with bytes of one).
+inline void dot_int8_column_sums(int32_t* sums, const int8_t* const (&b_end)[kDotCols], int64_t k_full) {
+  int64_t ko = -k_full;
+  asm volatile(
+      "vpbroadcastd %[ones], %%zmm6\n\t"
+      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t" "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
+      "vpxord %%zmm2, %%zmm2, %%zmm2\n\t" "vpxord %%zmm3, %%zmm3, %%zmm3\n\t"
+      "vpxord %%zmm4, %%zmm4, %%zmm4\n\t" "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"
+      "1:\n\t"
+      "vpdpbusd (%[b0],%[ko]), %%zmm6, %%zmm0\n\t"
+      "vpdpbusd (%[b1],%[ko]), %%zmm6, %%zmm1\n\t"
+      "vpdpbusd (%[b2],%[ko]), %%zmm6, %%zmm2\n\t"
+      "vpdpbusd (%[b3],%[ko]), %%zmm6, %%zmm3\n\t"
+      "vpdpbusd (%[b4],%[ko]), %%zmm6, %%zmm4\n\t"
+      "vpdpbusd (%[b5],%[ko]), %%zmm6, %%zmm5\n\t"
+      "add $64, %[ko]\n\t"
+      "jnz 1b\n\t"
+      MOE_XPU_DOT8_SUM(0) MOE_XPU_DOT8_SUM(1) MOE_XPU_DOT8_SUM(2) MOE_XPU_DOT8_SUM(3)
+      MOE_XPU_DOT8_SUM(4) MOE_XPU_DOT8_SUM(5)
+      : [ko] "+r"(ko)
+      : [b0] "r"(b_end[0]), [b1] "r"(b_end[1]), [b2] "r"(b_end[2]), [b3] "r"(b_end[3]),
+        [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [sums] "r"(sums), [ones] "r"(0x01010101u)
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm30");
+}
+
+#undef MOE_XPU_DOT_ZERO_TILE
+#undef MOE_XPU_DOT_TILE_SUMS
+#undef MOE_XPU_DOT8_COLUMN
+#undef MOE_XPU_DOT8_A
+#undef MOE_XPU_DOT8_SUM
 
 // The K-split GEMM on bf16 A and bf16 B contiguous along K (b_stride_n: B's stride between
 // columns), the same parameters as moe_gemm_k_lanes so that the launcher drives both alike.
@@ -197,6 +272,84 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
       });
 }
 
+// W8A8 on AVX512-VNNI: int8 A with a float32 scale per row, int8 B contiguous along K with a
+// float32 scale per output channel; the quantized kernels' parameters (moe_gemm_quant.cpp), of
+// which it reads A, B, the per-channel scales, a_scale and the epilogue's. Integer sums exact:
+// (A + 128) x B from the assembly, less 128 x each column's sum, plus the K % 64 remainder.
+template <typename TOut, int TM, int TN>
+MOE_XPU_KERNEL
+void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                        int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
+                        int64_t /*b_stride_k: 1*/, const void* scale, int64_t scale_stride_e,
+                        int64_t scale_stride_n, int64_t, int64_t scale_block_n, int64_t /*scale_block_k: K*/,
+                        const uint8_t*, int64_t, int64_t, int64_t, const float* a_scale,
+                        const float* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
+                        int64_t out_rows, const void* group_offsets, int offsets_is64,
+                        int64_t num_groups, int64_t K, int64_t N, int, int64_t,
+                        const void* scatter_index, int scatter_is64, const float* row_weight) {
+  static_assert(TM == kDotRows && TN == kDotCols, "the assembly is written for one register tile");
+  constexpr int outputs = TM * TN;
+  const Worker w = this_worker();
+  const int64_t tiles_n = (N + TN - 1) / TN;
+  const int64_t k_full = K - K % 64;
+  float* local = local_floats<kDotSums * 2>();
+  int32_t* tile_sums = reinterpret_cast<int32_t*>(local);
+  int32_t* column_sums = reinterpret_cast<int32_t*>(local + kDotSums);
+  const int8_t* B = static_cast<const int8_t*>(b);
+  const float* b_scale = static_cast<const float*>(scale);
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      UnitCost{int64_t(TM) * TN, int64_t(TN) * 7}, 
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * TN;
+        const int8_t* b_col[TN];
+        for (int j = 0; j < TN; ++j) b_col[j] = B + g * b_stride_e + tile_b_column<TN, false>(n0, j, N, 0) * b_stride_n;
+        if (g < num_groups && k_full > 0) {
+          const int8_t* b_end[TN];
+          for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
+          if (w.lane == 0) dot_int8_column_sums(column_sums, b_end, k_full);
+          sycl::group_barrier(w.sg);
+        }
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+          auto a_row = [&](int i) {
+            const int64_t m = m0 + (i < valid ? i : valid - 1);
+            return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+          };
+          if (g < num_groups && k_full > 0) {
+            const int8_t* a_end[TM];
+            const int8_t* b_end[TN];
+            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_full;
+            for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
+            if (w.lane == 0) dot_int8_tile_sums(tile_sums, a_end, b_end, k_full);
+            sycl::group_barrier(w.sg);
+          }
+          #pragma unroll
+          for (int o0 = 0; o0 < outputs; o0 += kLanes) {
+            const int o = o0 + w.lane;
+            const int i = o / TN, j = o % TN;
+            if (o < outputs && i < valid && n0 + j < N) {
+              float r = 0.0f;
+              if (g < num_groups) {
+                const int64_t bn = n0 + j;
+                int32_t total = k_full > 0 ? tile_sums[o] - 128 * column_sums[j] : 0;
+                const int8_t* ar = a_row(i);
+                for (int64_t k = k_full; k < K; ++k) total += int32_t(ar[k]) * int32_t(b_col[j][k]);
+                const int64_t m = m0 + i;
+                const float row_scale = a_scale[source_row(gather_index, gather_is64, m, a_rows)];
+                r = float(total) * (row_scale * b_scale[g * scale_stride_e + (bn / scale_block_n) * scale_stride_n]);
+                if (bias != nullptr) r += bias[g * bias_stride_e + bn];
+              }
+              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+              out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(r * t.weight);
+            }
+          }
+          sycl::group_barrier(w.sg);
+        }
+      });
+}
+
 }  // namespace moe_xpu
 
 #ifdef MOE_XPU_DOT_PROBE
@@ -216,9 +369,33 @@ void moe_xpu_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64_t
   sycl::group_barrier(w.sg);
   for (int o = w.lane; o < kDotRows * kDotCols; o += kLanes) out[o] = sums[o];
 }
+
+// ... and the W8A8 kernel's: one tile's exact int32 sums over k (a multiple of 64) int8 elements,
+// the tile sums less 128 x the column sums, as moe_gemm_quant_dot combines them.
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_int8_dot_probe(const int8_t* a, const int8_t* b, int32_t* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* local = local_floats<kDotSums * 2>();
+  int32_t* sums = reinterpret_cast<int32_t*>(local);
+  int32_t* column_sums = reinterpret_cast<int32_t*>(local + kDotSums);
+  const int8_t* a_end[kDotRows];
+  const int8_t* b_end[kDotCols];
+  for (int i = 0; i < kDotRows; ++i) a_end[i] = a + i * k + k;
+  for (int j = 0; j < kDotCols; ++j) b_end[j] = b + j * k + k;
+  if (w.lane == 0) {
+    dot_int8_column_sums(column_sums, b_end, k);
+    dot_int8_tile_sums(sums, a_end, b_end, k);
+  }
+  sycl::group_barrier(w.sg);
+  for (int o = w.lane; o < kDotRows * kDotCols; o += kLanes) out[o] = sums[o] - 128 * column_sums[o % kDotCols];
+}
 #endif
 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
-// MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>".
+// MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>",
+// or after moe_gemm_quant.cpp (MOE_XPU_QUANT_KERNEL_PARAMS), e.g. MOE_XPU_INSTANTIATE_QUANT_DOT(uint16_t, 4, 6).
+#define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
+  template void moe_xpu::moe_gemm_quant_dot<TOut, TM, TN>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut));
 #define MOE_XPU_INSTANTIATE_K_DOT(TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_dot<TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
