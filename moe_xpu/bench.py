@@ -147,6 +147,21 @@ def median_times(impls: dict[str, Callable[[], object]], repeats: int,
 class Ceilings:
     gflops: float  # large float32 torch.mm
     read_gbs: float  # reduction over a tensor far larger than the caches
+    # GFLOP/s (int8: GOP/s) of the same product in a narrower dtype: torch.mm in bfloat16 or
+    # float16, torch._int_mm for int8 (oneDNN's bf16 / int8 dot products or AMX where the CPU has them)
+    narrow: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def compute(self, dtype: str) -> float:
+        """The compute ceiling for products of ``dtype`` operands: the faster of float32 torch.mm
+        and that dtype's own (a kernel may always widen to float32)."""
+        return max(self.gflops, self.narrow.get(dtype, 0.0))
+
+    def roofline_seconds(self, flops: float, bytes_read: float, dtype: str) -> float:
+        return max(flops / (self.compute(dtype) * 1e9), bytes_read / (self.read_gbs * 1e9))
+
+    def describe(self) -> str:
+        narrow = "".join(f", {g:.0f} {d}" for d, g in self.narrow.items())
+        return f"compute {self.gflops:.0f} GFLOP/s float32{narrow}"
 
 
 def _last_level_cache_bytes() -> int:
@@ -166,18 +181,34 @@ def _last_level_cache_bytes() -> int:
     return best
 
 
-def measure_ceilings(repeats: int) -> Ceilings:
+def measure_ceilings(repeats: int, narrow_dtypes=()) -> Ceilings:
+    """The compute ceiling of a 4096^3 product in float32 and in each of ``narrow_dtypes``
+    ("bfloat16", "float16", "int8"), and the memory read ceiling."""
     n = 4096
     x, y = torch.randn(n, n), torch.randn(n, n)
     t = median_time(lambda: torch.mm(x, y), repeats)
     gflops = 2 * n**3 / t / 1e9
+    narrow = {}
+    for name in narrow_dtypes:
+        if name == "int8":
+            xi = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+            yi = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+            fn = lambda xi=xi, yi=yi: torch._int_mm(xi, yi)  # noqa: E731
+        else:
+            xd, yd = x.to(getattr(torch, name)), y.to(getattr(torch, name))
+            fn = lambda xd=xd, yd=yd: torch.mm(xd, yd)  # noqa: E731
+        try:
+            fn()
+        except RuntimeError:  # (torch builds without an int8 CPU GEMM)
+            continue
+        narrow[name] = 2 * n**3 / median_time(fn, min(repeats, 3)) / 1e9
     # Four times the last-level cache (at least 1 GiB), so the reduction streams from memory.
     nbytes = max(1 << 30, 4 * _last_level_cache_bytes())
     big = torch.ones(nbytes // 4)
     t = median_time(lambda: big.sum(), repeats)
     read_gbs = nbytes / t / 1e9
     del big
-    return Ceilings(gflops, read_gbs)
+    return Ceilings(gflops, read_gbs, narrow)
 
 
 def zipf_counts(counts: torch.Tensor, cap: int | None = None) -> torch.Tensor:
@@ -290,7 +321,7 @@ def bench_gemm(cases, dtypes, ceilings: Ceilings, repeats: int, layout: str, rou
                     "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),
                     "torch.mm loop": lambda: per_expert_loop(a, b, offsets),
                 })
-            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            roofline_s = ceilings.roofline_seconds(flops, bytes_read, str(dtype).removeprefix("torch."))
             times = median_times(impls, repeats, flush)
             for name, t in times.items():
                 rows.append(
@@ -337,7 +368,7 @@ def bench_gemm_quant(cases, fmt: str, ceilings: Ceilings, repeats: int, layout: 
             weight_bytes = q.nbytes if name.startswith(f"moe_xpu {fmt}") or "W8A8" in name else b.numel() * 2
             act_bytes = case.rows * case.K * (1 if "W8A8" in name else 2)
             bytes_read = weight_bytes * touched / case.experts + act_bytes
-            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            roofline_s = ceilings.roofline_seconds(flops, bytes_read, "int8" if "W8A8" in name else "bfloat16")
             rows.append(Row(case.name, f"bf16/{fmt}", name, t, flops / t / 1e9, 100 * roofline_s / t, t / ours))
     return rows
 
@@ -437,7 +468,7 @@ def bench_moe(cases, dtypes, ceilings: Ceilings, repeats: int,
                 flops *= 3
                 bytes_read = (3 * touched + case.experts) * 3 * case.H * case.I * esize + \
                     4 * case.tokens * case.H * esize
-            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            roofline_s = ceilings.roofline_seconds(flops, bytes_read, str(dtype).removeprefix("torch."))
 
             impls = _available({
                 "moe_xpu fused": lambda: moe_xpu.fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids),
@@ -488,7 +519,7 @@ def bench_moe_quant(cases, fmt: str, ceilings: Ceilings, repeats: int,
         for name, t in times.items():
             weight_bytes = q1.nbytes + q2.nbytes if name == ours else 3 * case.experts * case.H * case.I * 2
             bytes_read = weight_bytes * touched / case.experts + case.tokens * case.H * 2
-            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            roofline_s = ceilings.roofline_seconds(flops, bytes_read, "bfloat16")
             rows.append(Row(case.name, f"bf16/{fmt}", name, t, flops / t / 1e9, 100 * roofline_s / t, t / times[ours]))
     return rows
 
@@ -766,9 +797,13 @@ def main(argv: list[str] | None = None) -> int:
         bench_skew([c for c in GEMM_CASES if c.name in wanted], [c for c in MOE_CASES if c.name in wanted],
                    dtypes, args.repeats, flush)
         return 0
-    ceilings = measure_ceilings(args.repeats)
-    print(f"ceilings: compute {ceilings.gflops:.0f} GFLOP/s (float32 torch.mm 4096^3), "
-          f"memory read {ceilings.read_gbs:.1f} GB/s (sum over a tensor 4x the last-level cache)")
+    narrow = {str(d).removeprefix("torch.") for d in dtypes} - {"float32"}
+    if args.quant and args.suite in ("gemm", "moe"):
+        narrow |= {"bfloat16"} | ({"int8"} if args.suite == "gemm" and "int8" in args.quant.split(",") else set())
+    ceilings = measure_ceilings(args.repeats, sorted(narrow))
+    print(f"ceilings: {ceilings.describe()} (torch.mm, int8 torch._int_mm, 4096^3; a row's compute ceiling "
+          f"is the faster of float32 and its dtype), memory read {ceilings.read_gbs:.1f} GB/s (sum over a "
+          f"tensor 4x the last-level cache)")
     for dtype in dtypes:  # build (or load) kernels outside the timed region
         moe_xpu.moe_gemm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype),
                          torch.ones(1, dtype=torch.int32))
@@ -809,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         speedup_of = "moe_xpu fused"
     print_table(rows, title + f" (speed-up = peer time / {speedup_of} time)")
     if args.markdown:
-        print_markdown(rows, f"{title}: {machine_line()}; ceilings {ceilings.gflops:.0f} GFLOP/s, "
+        print_markdown(rows, f"{title}: {machine_line()}; ceilings {ceilings.describe().removeprefix('compute ')}, "
                              f"{ceilings.read_gbs:.1f} GB/s")
     if args.plot:
         plot(rows, args.plot, f"{title}\n{machine_line()}")

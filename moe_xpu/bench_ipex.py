@@ -131,7 +131,7 @@ def bench_ipex(cases: list[MoeCase], dtypes, ceilings: Ceilings, repeats: int,
             esize = x.element_size()
             flops = 6 * case.tokens * case.top_k * case.H * case.I
             bytes_read = touched * 3 * case.H * case.I * esize + case.tokens * case.H * esize
-            roofline_s = max(flops / (ceilings.gflops * 1e9), bytes_read / (ceilings.read_gbs * 1e9))
+            roofline_s = ceilings.roofline_seconds(flops, bytes_read, str(dtype).removeprefix("torch."))
             for name, t in times.items():
                 rows.append(Row(case.name, str(dtype).removeprefix("torch."), name, t, flops / t / 1e9,
                                 100 * roofline_s / t, t / times["moe_xpu fused"]))

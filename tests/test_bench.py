@@ -125,6 +125,20 @@ def test_quant_moe_suite_rows_on_a_tiny_case():
         assert ours.roofline_pct * ours.seconds < bf16.roofline_pct * bf16.seconds
 
 
+def test_compute_ceiling_per_dtype():
+    """A row's compute ceiling is the faster of float32 and its own dtype's product (a bf16 kernel
+    may widen to float32; where the CPU has a bf16 dot product, bf16 rows are held to it), so a
+    compute-bound bf16 row's roofline time halves when bf16 products run twice as fast."""
+    c = bench.Ceilings(gflops=100.0, read_gbs=1e9, narrow={"bfloat16": 200.0, "float16": 50.0})
+    assert c.compute("float32") == 100.0 and c.compute("bfloat16") == 200.0
+    assert c.compute("float16") == 100.0 and c.compute("int8") == 100.0
+    assert c.roofline_seconds(2e11, 1.0, "bfloat16") == pytest.approx(1.0)
+    assert c.roofline_seconds(2e11, 1.0, "float32") == pytest.approx(2.0)
+    measured = bench.measure_ceilings(1, ["bfloat16", "int8"])
+    assert set(measured.narrow) <= {"bfloat16", "int8"} and "bfloat16" in measured.narrow
+    assert all(g > 0 for g in measured.narrow.values()) and measured.gflops > 0
+
+
 def test_ep_wire_bytes_expectation():
     """bench ep's expected bytes per token: nothing leaves a single rank; with one expert per rank
     every slot is remote except the home rank's own (k distinct experts of E)."""
