@@ -22,7 +22,8 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // quant / quant_gated: quantized B (moe_gemm_quant.cpp), K-split like k_lanes; quant_matrix: W8A8
 // on the matrix engine's int8 tile; dequant_matrix / dequant_matrix_gated: weight-only 8-bit B
 // dequantized into the engine's bf16 tiles; matrix_wgrad: the weight gradient on the matrix engine;
-// dot / dot_gated: bf16 K-split with AVX512-BF16 dot products (CPU only, moe_gemm_dot.cpp).
+// dot / dot_gated: bf16 K-split with AVX512-BF16 dot products; quant_dot: W8A8 with AVX512-VNNI
+// (CPU only, both moe_gemm_dot.cpp).
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
                     quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated, quant_dot };
 

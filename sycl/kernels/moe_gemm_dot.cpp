@@ -299,7 +299,7 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
   const float* b_scale = static_cast<const float*>(scale);
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
-      UnitCost{int64_t(TM) * TN, int64_t(TN) * 7}, 
+      UnitCost{int64_t(TM) * TN, int64_t(TN) * 7},
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
         const int64_t n0 = n_tile * TN;
         const int8_t* b_col[TN];
@@ -334,11 +334,10 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
               if (g < num_groups) {
                 const int64_t bn = n0 + j;
                 int32_t total = k_full > 0 ? tile_sums[o] - 128 * column_sums[j] : 0;
-                const int8_t* ar = a_row(i);
+                const int64_t src = source_row(gather_index, gather_is64, m0 + i, a_rows);  // (i < valid)
+                const int8_t* ar = a + src * a_row_stride;
                 for (int64_t k = k_full; k < K; ++k) total += int32_t(ar[k]) * int32_t(b_col[j][k]);
-                const int64_t m = m0 + i;
-                const float row_scale = a_scale[source_row(gather_index, gather_is64, m, a_rows)];
-                r = float(total) * (row_scale * b_scale[g * scale_stride_e + (bn / scale_block_n) * scale_stride_n]);
+                r = float(total) * (a_scale[src] * b_scale[g * scale_stride_e + (bn / scale_block_n) * scale_stride_n]);
                 if (bias != nullptr) r += bias[g * bias_stride_e + bn];
               }
               const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);

@@ -18,8 +18,8 @@ constexpr int kRegisterTileVectors = 32;
 // n_lanes_unit_shape in moe_gemm.cpp).
 constexpr std::int64_t kNLanesPartialTiles = 192;
 
-// The bf16 dot-product kernels' register tile (moe_gemm_dot.cpp: its assembly is written for it)
-// and the floats of work-group local memory that hold one tile's sums.
+// The dot-product kernels' register tile, bf16 and W8A8 alike (moe_gemm_dot.cpp: their assembly
+// is written for it), and the floats of work-group local memory that hold one tile's sums.
 constexpr int kDotRows = 4;
 constexpr int kDotCols = 6;
 constexpr std::int64_t kDotSums = 32;
