@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moe_xpu import _runtime
-from moe_xpu._host_memory import empty_strided_for_write
+from moe_xpu._host_memory import empty_strided_for_write, gradient_buffers
 from moe_xpu.ops import SUPPORTED_DTYPES, MoeXpuInputError, _launcher_dtype, _moe_gemm_op, moe_gemm, rows_contiguous
 
 
@@ -35,13 +35,20 @@ def _empty_weight_grad(a, grad_out, group_offsets, k_contiguous: bool) -> torch.
     """[E, K, N] in the layout of the weights it is the gradient of: K contiguous (nn.Linear
     weights seen through ``.transpose(1, 2)``) or N contiguous."""
     E, K, N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
-    strides = (N * K, 1, K) if k_contiguous else (K * N, N, 1)
-    return empty_strided_for_write((E, K, N), strides, dtype=a.dtype, device=a.device)
+    return empty_strided_for_write((E, K, N), _weight_grad_strides(K, N, k_contiguous), dtype=a.dtype, device=a.device)
+
+
+def _weight_grad_strides(K: int, N: int, k_contiguous: bool) -> tuple[int, int, int]:
+    return (N * K, 1, K) if k_contiguous else (K * N, N, 1)
 
 
 def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
     a, grad_out, group_offsets = rows_contiguous(a), rows_contiguous(grad_out), group_offsets.contiguous()
-    out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
+    if a.device.type == "cpu":  # the kernel writes every element: a reused buffer needs no clearing
+        E, K, N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
+        out = gradient_buffers.empty_strided((E, K, N), _weight_grad_strides(K, N, k_contiguous), dtype=a.dtype)
+    else:
+        out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
     C = _runtime.sycl_module()
     w = C.WgradArgs()
     w.queue = _runtime.queue_address(a.device)
