@@ -311,14 +311,14 @@ struct DotStatus {
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:
 // their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
 // lane 0's copy, honouring its register clobbers) is not something the compiler checks. bf16: one
-// tile of small integers (exact in bf16 and in float sums) over 96 k; int8: one tile over 192 k
+// tile of small integers (exact in bf16 and in float sums) over 96 k, of each B layout; int8: one tile over 192 k
 // holding -128 and 127, whose int32 sums (with the +128 correction) must be exact. Families that
 // `status` already rules out are not probed.
 
 DotStatus dot_probes(sycl::queue q, DotStatus status) {
   constexpr int kRows = kDotRows, kCols = kDotCols;
   std::vector<std::string> names;
-  if (status.bf16.empty()) names.push_back("moe_xpu_dot_probe");
+  if (status.bf16.empty()) names.insert(names.end(), {"moe_xpu_dot_probe", "moe_xpu_n_dot_probe"});
   if (status.int8.empty()) names.push_back("moe_xpu_int8_dot_probe");
   if (names.empty()) return status;
   try {
@@ -342,6 +342,17 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
           for (int j = 0; j < kCols; ++j) expected[i * kCols + j] += float(value(i, k) * value(kRows + j, k));
       }
       status.bf16 = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_dot_probe"), a, b, kK, expected);
+      // The N-contiguous tile: B rows of kNDotCols columns (its row pairs interleaved in registers).
+      std::vector<std::uint16_t> an(kNDotRows * kK), bn(kK * kNDotCols);
+      std::vector<float> expected_n(kNDotRows * kNDotCols, 0.0f);
+      for (int k = 0; k < kK; ++k) {
+        for (int i = 0; i < kNDotRows; ++i) an[i * kK + k] = bf16_of(value(i, k));
+        for (int c = 0; c < kNDotCols; ++c) bn[k * kNDotCols + c] = bf16_of(value(kNDotRows + c, k));
+        for (int i = 0; i < kNDotRows; ++i)
+          for (int c = 0; c < kNDotCols; ++c) expected_n[i * kNDotCols + c] += float(value(i, k) * value(kNDotRows + c, k));
+      }
+      if (status.bf16.empty())
+        status.bf16 = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_n_dot_probe"), an, bn, kK, expected_n);
     }
     if (status.int8.empty()) {
       constexpr int kK = 192;

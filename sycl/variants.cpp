@@ -241,6 +241,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dot:
     case Family::dot_gated:
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
+    case Family::dot_kn: return {TileShape{kNDotRows, kNDotCols / int(kSubGroupSize)}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -312,6 +313,7 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dot:
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
+    case Family::dot_kn: return kNDotSums * 4;  // a tile's accumulators
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -354,6 +356,10 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
     return args.str();
   }
+  if (f == Family::dot_kn) {
+    args << type_name(out);
+    return args.str();
+  }
   if (f == Family::dot || f == Family::dot_gated) {
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ", " << (f == Family::dot_gated ? "true" : "false");
     return args.str();
@@ -391,6 +397,7 @@ std::string kernel_base(Family f) {
     case Family::dot:
     case Family::dot_gated: return "k_dot";
     case Family::quant_dot: return "quant_dot";
+    case Family::dot_kn: return "n_dot";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -411,7 +418,8 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 // The K-contiguous matrix kernels pack A to bf16 as they read it, from bf16 or float A.
 bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
-         f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::quant_dot;
+         f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::dot_kn &&
+         f != Family::quant_dot;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -510,7 +518,7 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
   if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_wgrad});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
-  if (t == DType::bfloat16 && d.bf16_dot) families.insert(families.end(), {Family::dot, Family::dot_gated});
+  if (t == DType::bfloat16 && d.bf16_dot) families.insert(families.end(), {Family::dot, Family::dot_gated, Family::dot_kn});
   std::vector<Variant> variants;
   for (Family f : families)
     for (TileShape s : family_tiles(f, d, t)) {
@@ -687,10 +695,11 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   // kernels, where tiles of several rows reuse each B vector (the decode tile, one row a group, is
   // bound by streaming the weights and stays on the vector kernel). Tile overrides address the
   // vector kernels.
-  const bool use_dot = !use_matrix && args.engine == 0 && k_lanes && d.bf16_dot && args.dtype == DType::bfloat16 &&
+  const bool use_dot = !use_matrix && args.engine == 0 && d.bf16_dot && args.dtype == DType::bfloat16 &&
                        args.a_dtype == DType::bfloat16 && rows_per_group > 2.0 && args.tile_m == 0 &&
-                       args.tile_n == 0;
-  const Family family = use_dot      ? (gated ? Family::dot_gated : Family::dot)
+                       args.tile_n == 0 && (k_lanes || (!gated && args.N % kNDotCols == 0));
+  const Family family = use_dot && !k_lanes ? Family::dot_kn
+                        : use_dot           ? (gated ? Family::dot_gated : Family::dot)
                         : !use_matrix ? family_of(k_lanes, gated)
                         : !k_lanes ? Family::matrix_kn
                         : gated    ? Family::matrix_gated

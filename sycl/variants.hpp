@@ -22,10 +22,12 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // quant / quant_gated: quantized B (moe_gemm_quant.cpp), K-split like k_lanes; quant_matrix: W8A8
 // on the matrix engine's int8 tile; dequant_matrix / dequant_matrix_gated: weight-only 8-bit B
 // dequantized into the engine's bf16 tiles; matrix_wgrad: the weight gradient on the matrix engine;
-// dot / dot_gated: bf16 K-split with AVX512-BF16 dot products; quant_dot: W8A8 with AVX512-VNNI
-// (CPU only, both moe_gemm_dot.cpp).
+// dot / dot_gated: bf16 K-split with AVX512-BF16 dot products; dot_kn: bf16 N-split (B
+// contiguous along N) with the same; quant_dot: W8A8 with AVX512-VNNI (CPU only, all in
+// moe_gemm_dot.cpp).
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
-                    quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated, quant_dot };
+                    quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated, dot_kn,
+                    quant_dot };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).

@@ -150,6 +150,77 @@ def test_fused_moe_on_the_dot_kernels(dot, activation, bias):
     assert torch.equal(out, again)
 
 
+# The N-contiguous kernel (moe_gemm_n_dot): [E, K, N] weights, N a multiple of its 64 columns.
+# Its k step is a pair of B rows: K odd leaves one k for the lanes. (On CPUs with AMX the engine
+# takes [E, K, N] bf16 groups of 5+ rows at K % 32 == 0 first: the plan checks allow for it.)
+
+
+def _takes_n_dot(C, a, b, offs, gather_index=None, **kw) -> bool:
+    name = plan(C, a, b, offs, gather_index, **kw)[0].kernel_name
+    if C.device_description(0)["matrix_shapes"] and "matrix_kn" in name:
+        return True
+    return "moe_gemm_n_dot<" in name
+
+
+def test_plan_picks_the_n_dot_kernel(dot):
+    E, K, N = 8, 250, 128
+    b = torch.randn(E, K, N, dtype=torch.bfloat16)
+    many = torch.randn(8 * E, K, dtype=torch.bfloat16)
+    assert _takes_n_dot(dot, many, b, offsets([8] * E))
+    assert "moe_gemm_n_dot<float>" in plan(dot, many, b, offsets([8] * E), out_dtype=torch.float32)[0].kernel_name
+    one = torch.randn(E, K, dtype=torch.bfloat16)
+    assert "n_dot" not in plan(dot, one, b, offsets([1] * E))[0].kernel_name  # decode: streaming tile
+    assert "n_dot" not in plan(dot, many, b[:, :, :96], offsets([8] * E))[0].kernel_name  # N % 64
+    assert "n_dot" not in plan(dot, many, b, offsets([8] * E), engine=1)[0].kernel_name
+    assert "n_dot" not in plan(dot, many.half(), b.half(), offsets([8] * E))[0].kernel_name
+
+
+@pytest.mark.parametrize(
+    "K,N,routing",
+    list(itertools.product([2, 3, 31, 97, 1000], [64, 192], ROUTINGS)),
+)
+def test_n_dot_matches_reference(dot, K, N, routing):
+    E, T = 5, 41
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    b = torch.randn(E, K, N, dtype=torch.bfloat16)
+    counts = route(routing, E, T)
+    offs = offsets(counts)
+    bias = torch.randn(E, N, dtype=torch.bfloat16)
+    assert _takes_n_dot(dot, a, b, offs)
+    out = moe_xpu.moe_gemm(a, b, offs, bias=bias)
+    assert_matches_reference(out, a, b, offs, bias=bias)
+    assert not out[int(offs[-1]) :].any(), "rows past group_offsets[-1] must be zero"
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_n_dot_index_table_float_output_and_strides(dot, index_dtype):
+    E, T, K, N = 4, 30, 77, 128
+    a = torch.randn(T, K + 9, dtype=torch.bfloat16)[:, 3 : 3 + K]  # rows K + 9 elements apart
+    b = torch.randn(E, K, N + 40, dtype=torch.bfloat16)[:, :, 8 : 8 + N]  # B rows N + 40 apart
+    counts = [11, 0, 27, 22]
+    offs = offsets(counts, index_dtype)
+    gather = torch.randint(0, T, (sum(counts),), dtype=index_dtype)
+    assert _takes_n_dot(dot, a, b, offs, gather, out_dtype=torch.float32)
+    out = moe_xpu.moe_gemm(a, b, offs, gather_index=gather, out_dtype=torch.float32)
+    assert_matches_reference(out, a, b, offs, gather_index=gather, out_dtype=torch.float32)
+
+
+def test_n_dot_one_expert_takes_everything_and_worker_counts(dot):
+    E, K, N = 3, 301, 64
+    a = torch.randn(300, K, dtype=torch.bfloat16)
+    b = torch.randn(E, K, N, dtype=torch.bfloat16)
+    offs = offsets([0, 300, 0])
+    outs = []
+    for workers in (0, 1, 3, 16):
+        p, args, out = plan(dot, a, b, offs, num_workers=workers)
+        assert "n_dot" in p.kernel_name or "matrix_kn" in p.kernel_name
+        dot.moe_gemm(args)
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert_matches_reference(outs[0], a, b, offs)
+
+
 @pytest.mark.parametrize("family", ["bf16", "int8"])
 def test_state_names_why_the_kernels_do_not_run(C, family):
     # Unlike the tests above, on every CPU: "on" exactly where the device description has them

@@ -184,8 +184,6 @@ inline void dot_int8_column_sums(int32_t* sums, const int8_t* const (&b_end)[kDo
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm30");
 }
 
-#undef MOE_XPU_DOT_ZERO_TILE
-#undef MOE_XPU_DOT_TILE_SUMS
 #undef MOE_XPU_DOT8_COLUMN
 #undef MOE_XPU_DOT8_A
 #undef MOE_XPU_DOT8_SUM
@@ -349,6 +347,127 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
       });
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 B contiguous along N ([E, K, N] weights, and nn.Linear weights read transposed: the
+// backward's gradient GEMMs). vdpbf16ps multiplies pairs along the reduction dimension, which here
+// lie in two B rows: `vpunpcklwd` / `vpunpckhwd` of rows k and k + 1 interleave them into
+// (B[k][n], B[k + 1][n]) pairs, 16 columns a register, and A's (k, k + 1) pair is one broadcast
+// dword. The unpacks work within 128-bit lanes, so the low register of 32 columns holds columns
+// 8 l + 0..3 and the high one 8 l + 4..7 of lane l; the epilogue reads them back in order.
+// Tile 6 rows x 64 columns: accumulator (i, v) in zmm(4 i + v), v = 0, 1 the low and high
+// registers of columns 0-31, v = 2, 3 of columns 32-63; the pairs in zmm24-27, the loaded rows in
+// zmm28-29, A's broadcast pair in zmm30.
+#define MOE_XPU_NDOT_ROW(i, r0, r1, r2, r3)              \
+  "vpbroadcastd (%[a" #i "],%[ko]), %%zmm30\n\t"        \
+  "vdpbf16ps %%zmm24, %%zmm30, %%zmm" #r0 "\n\t"        \
+  "vdpbf16ps %%zmm25, %%zmm30, %%zmm" #r1 "\n\t"        \
+  "vdpbf16ps %%zmm26, %%zmm30, %%zmm" #r2 "\n\t"        \
+  "vdpbf16ps %%zmm27, %%zmm30, %%zmm" #r3 "\n\t"
+#define MOE_XPU_NDOT_STORE(r) "vmovups %%zmm" #r ", " #r "*64(%[sums])\n\t"
+
+// The raw accumulators of a 6 x 64 tile over k in [0, k_pairs * 2): A rows end at a_end[i] (2
+// k_pairs elements past their start), B row 0 of the tile at b0 (its column n0), B rows
+// b_row_bytes apart; sums[(4 i + v) * 16 + lane] as laid out above. k_pairs > 0.
+inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRows], const uint16_t* b0,
+                            int64_t b_row_bytes, int64_t k_pairs) {
+  int64_t ko = -4 * k_pairs;
+  asm volatile(
+      MOE_XPU_DOT_ZERO_TILE
+      "1:\n\t"
+      "vmovdqu16 (%[bp]), %%zmm28\n\t"
+      "vmovdqu16 (%[bp],%[rb]), %%zmm29\n\t"
+      "vpunpcklwd %%zmm29, %%zmm28, %%zmm24\n\t"
+      "vpunpckhwd %%zmm29, %%zmm28, %%zmm25\n\t"
+      "vmovdqu16 64(%[bp]), %%zmm28\n\t"
+      "vmovdqu16 64(%[bp],%[rb]), %%zmm29\n\t"
+      "vpunpcklwd %%zmm29, %%zmm28, %%zmm26\n\t"
+      "vpunpckhwd %%zmm29, %%zmm28, %%zmm27\n\t"
+      MOE_XPU_NDOT_ROW(0, 0, 1, 2, 3)
+      MOE_XPU_NDOT_ROW(1, 4, 5, 6, 7)
+      MOE_XPU_NDOT_ROW(2, 8, 9, 10, 11)
+      MOE_XPU_NDOT_ROW(3, 12, 13, 14, 15)
+      MOE_XPU_NDOT_ROW(4, 16, 17, 18, 19)
+      MOE_XPU_NDOT_ROW(5, 20, 21, 22, 23)
+      "lea (%[bp],%[rb],2), %[bp]\n\t"
+      "add $4, %[ko]\n\t"
+      "jnz 1b\n\t"
+      MOE_XPU_DOT_TILE_SUMS(MOE_XPU_NDOT_STORE)
+      : [ko] "+r"(ko), [bp] "+r"(b0)
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),
+        [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums)
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",
+        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30");
+}
+
+#undef MOE_XPU_NDOT_ROW
+#undef MOE_XPU_NDOT_STORE
+#undef MOE_XPU_DOT_ZERO_TILE
+#undef MOE_XPU_DOT_TILE_SUMS
+
+// Where column c (0..63) of tile row i sits in n_dot_tile_sums' output.
+inline int n_dot_sum_index(int i, int c) {
+  const int v = (c / 32) * 2 + (c % 8) / 4;
+  const int lane = ((c % 32) / 8) * 4 + c % 4;
+  return (4 * i + v) * 16 + lane;
+}
+
+// The N-split GEMM on bf16 A and bf16 B contiguous along N (b_stride_k: B's stride between rows
+// of K), the parameters of moe_gemm_n_lanes. N a multiple of kNDotCols (the launcher checks).
+// Lane 0 runs the assembly per 6-row tile; the lanes share the epilogue (K's odd element, the
+// bias, the row weight, the store), 24 outputs each.
+template <typename TOut>
+MOE_XPU_KERNEL
+void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                    int gather_is64, const uint16_t* b, int64_t b_stride_e, int64_t b_stride_k,
+                    const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
+                    int64_t out_rows, const void* group_offsets, int offsets_is64, int64_t num_groups,
+                    int64_t K, int64_t N, int, int64_t, const void* scatter_index, int scatter_is64,
+                    const float* row_weight) {
+  constexpr int TM = kNDotRows, TN = kNDotCols;
+  const Worker w = this_worker();
+  const int64_t tiles_n = N / TN;
+  const int64_t k_pairs = K / 2;
+  float* tile_sums = local_floats<kNDotSums>();
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      UnitCost{int64_t(TM) * TN / 16, int64_t(TN / 16) * 14},
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * TN;
+        const uint16_t* b_tile = b + g * b_stride_e + n0;
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+          auto a_row = [&](int i) {  // rows past the group repeat its last row; not stored
+            const int64_t m = m0 + (i < valid ? i : valid - 1);
+            return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+          };
+          if (g < num_groups && k_pairs > 0) {
+            const uint16_t* a_end[TM];
+            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + 2 * k_pairs;
+            if (w.lane == 0) n_dot_tile_sums(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
+            sycl::group_barrier(w.sg);
+          }
+          #pragma unroll
+          for (int o0 = 0; o0 < TM * TN; o0 += kLanes) {
+            const int o = o0 + w.lane;
+            const int i = o / TN, c = o % TN;
+            if (i < valid) {
+              float s = 0.0f;
+              if (g < num_groups) {
+                if (k_pairs > 0) s = tile_sums[n_dot_sum_index(i, c)];
+                if (K % 2 != 0) s = sycl::fma(to_float(a_row(i)[K - 1]), to_float(b_tile[(K - 1) * b_stride_k + c]), s);
+                if (bias != nullptr) s += to_float(bias[g * bias_stride_e + n0 + c]);
+              }
+              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+              out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(s * t.weight);
+            }
+          }
+          sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
+        }
+      });
+}
+
 }  // namespace moe_xpu
 
 #ifdef MOE_XPU_DOT_PROBE
@@ -367,6 +486,21 @@ void moe_xpu_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64_t
   if (w.lane == 0) dot_tile_sums(sums, a_end, b_end, k);
   sycl::group_barrier(w.sg);
   for (int o = w.lane; o < kDotRows * kDotCols; o += kLanes) out[o] = sums[o];
+}
+
+// ... and the N-contiguous one's: a (6 x k, rows contiguous) times b (k x 64, rows contiguous),
+// k even, out[i * 64 + c] in column order (the unpacks' lane order undone as the kernel does).
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_n_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* sums = local_floats<kNDotSums>();
+  const uint16_t* a_end[kNDotRows];
+  for (int i = 0; i < kNDotRows; ++i) a_end[i] = a + i * k + k;
+  if (w.lane == 0) n_dot_tile_sums(sums, a_end, b, kNDotCols * 2, k / 2);
+  sycl::group_barrier(w.sg);
+  for (int o = w.lane; o < kNDotRows * kNDotCols; o += kLanes)
+    out[o] = sums[n_dot_sum_index(o / kNDotCols, o % kNDotCols)];
 }
 
 // ... and the W8A8 kernel's: one tile's exact int32 sums over k (a multiple of 64) int8 elements,
@@ -396,5 +530,7 @@ void moe_xpu_int8_dot_probe(const int8_t* a, const int8_t* b, int32_t* out, int6
 // or after moe_gemm_quant.cpp (MOE_XPU_QUANT_KERNEL_PARAMS), e.g. MOE_XPU_INSTANTIATE_QUANT_DOT(uint16_t, 4, 6).
 #define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
   template void moe_xpu::moe_gemm_quant_dot<TOut, TM, TN>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut));
+#define MOE_XPU_INSTANTIATE_N_DOT(TOut) \
+  template void moe_xpu::moe_gemm_n_dot<TOut>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_K_DOT(TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_dot<TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));

@@ -23,6 +23,11 @@ constexpr std::int64_t kNLanesPartialTiles = 192;
 constexpr int kDotRows = 4;
 constexpr int kDotCols = 6;
 constexpr std::int64_t kDotSums = 32;
+// The N-contiguous bf16 dot-product kernel's tile (moe_gemm_n_dot): 6 rows x 64 columns, its
+// 24 accumulators' 16 lanes each stored for the epilogue.
+constexpr int kNDotRows = 6;
+constexpr int kNDotCols = 64;
+constexpr std::int64_t kNDotSums = kNDotRows * kNDotCols;
 
 // AMX's engine tile, which the N-contiguous matrix kernel is written for:
 constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
