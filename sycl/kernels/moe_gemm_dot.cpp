@@ -365,43 +365,52 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
   "vdpbf16ps %%zmm27, %%zmm30, %%zmm" #r3 "\n\t"
 #define MOE_XPU_NDOT_STORE(r) "vmovups %%zmm" #r ", " #r "*64(%[sums])\n\t"
 
-// The raw accumulators of a 6 x 64 tile over k in [0, k_pairs * 2): A rows end at a_end[i] (2
-// k_pairs elements past their start), B row 0 of the tile at b0 (its column n0), B rows
-// b_row_bytes apart; sums[(4 i + v) * 16 + lane] as laid out above. k_pairs > 0.
+// The B row pair of a k step, interleaved into zmm24-27 (see above).
+#define MOE_XPU_NDOT_PAIRS                                \
+  "vmovdqu16 (%[bp]), %%zmm28\n\t"                       \
+  "vmovdqu16 (%[bp],%[rb]), %%zmm29\n\t"                 \
+  "vpunpcklwd %%zmm29, %%zmm28, %%zmm24\n\t"             \
+  "vpunpckhwd %%zmm29, %%zmm28, %%zmm25\n\t"             \
+  "vmovdqu16 64(%[bp]), %%zmm28\n\t"                     \
+  "vmovdqu16 64(%[bp],%[rb]), %%zmm29\n\t"               \
+  "vpunpcklwd %%zmm29, %%zmm28, %%zmm26\n\t"             \
+  "vpunpckhwd %%zmm29, %%zmm28, %%zmm27\n\t"
+#define MOE_XPU_NDOT_ROWS_2 MOE_XPU_NDOT_ROW(0, 0, 1, 2, 3) MOE_XPU_NDOT_ROW(1, 4, 5, 6, 7)
+#define MOE_XPU_NDOT_ROWS_4 MOE_XPU_NDOT_ROWS_2 MOE_XPU_NDOT_ROW(2, 8, 9, 10, 11) MOE_XPU_NDOT_ROW(3, 12, 13, 14, 15)
+#define MOE_XPU_NDOT_ROWS_6 MOE_XPU_NDOT_ROWS_4 MOE_XPU_NDOT_ROW(4, 16, 17, 18, 19) MOE_XPU_NDOT_ROW(5, 20, 21, 22, 23)
+#define MOE_XPU_NDOT_LOOP(ROWS)                                                                                \
+  asm volatile(                                                                                                 \
+      MOE_XPU_DOT_ZERO_TILE "1:\n\t" MOE_XPU_NDOT_PAIRS ROWS "lea (%[bp],%[rb],2), %[bp]\n\t"              \
+      "add $4, %[ko]\n\t" "jnz 1b\n\t" MOE_XPU_DOT_TILE_SUMS(MOE_XPU_NDOT_STORE)                            \
+      : [ko] "+r"(ko), [bp] "+r"(b0)                                                                            \
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),   \
+        [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums)                                            \
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
+        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",      \
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30")
+
+// The raw accumulators of the tile's first R rows (2, 4 or 6: a group's short last row tile
+// computes no padding rows beyond the next of them) over k in [0, k_pairs * 2): A rows end at
+// a_end[i] (2 k_pairs elements past their start), B row 0 of the tile at b0 (its column n0), B
+// rows b_row_bytes apart; sums[(4 i + v) * 16 + lane] as laid out above (rows past R: zeros).
+// k_pairs > 0.
+template <int R>
 inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRows], const uint16_t* b0,
                             int64_t b_row_bytes, int64_t k_pairs) {
+  static_assert(R == 2 || R == 4 || R == 6, "the assembly is written for 2, 4 and 6 rows");
   int64_t ko = -4 * k_pairs;
-  asm volatile(
-      MOE_XPU_DOT_ZERO_TILE
-      "1:\n\t"
-      "vmovdqu16 (%[bp]), %%zmm28\n\t"
-      "vmovdqu16 (%[bp],%[rb]), %%zmm29\n\t"
-      "vpunpcklwd %%zmm29, %%zmm28, %%zmm24\n\t"
-      "vpunpckhwd %%zmm29, %%zmm28, %%zmm25\n\t"
-      "vmovdqu16 64(%[bp]), %%zmm28\n\t"
-      "vmovdqu16 64(%[bp],%[rb]), %%zmm29\n\t"
-      "vpunpcklwd %%zmm29, %%zmm28, %%zmm26\n\t"
-      "vpunpckhwd %%zmm29, %%zmm28, %%zmm27\n\t"
-      MOE_XPU_NDOT_ROW(0, 0, 1, 2, 3)
-      MOE_XPU_NDOT_ROW(1, 4, 5, 6, 7)
-      MOE_XPU_NDOT_ROW(2, 8, 9, 10, 11)
-      MOE_XPU_NDOT_ROW(3, 12, 13, 14, 15)
-      MOE_XPU_NDOT_ROW(4, 16, 17, 18, 19)
-      MOE_XPU_NDOT_ROW(5, 20, 21, 22, 23)
-      "lea (%[bp],%[rb],2), %[bp]\n\t"
-      "add $4, %[ko]\n\t"
-      "jnz 1b\n\t"
-      MOE_XPU_DOT_TILE_SUMS(MOE_XPU_NDOT_STORE)
-      : [ko] "+r"(ko), [bp] "+r"(b0)
-      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),
-        [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums)
-      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",
-        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",
-        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30");
+  if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_ROWS_2);
+  else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_ROWS_4);
+  else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_ROWS_6);
 }
 
 #undef MOE_XPU_NDOT_ROW
 #undef MOE_XPU_NDOT_STORE
+#undef MOE_XPU_NDOT_PAIRS
+#undef MOE_XPU_NDOT_ROWS_2
+#undef MOE_XPU_NDOT_ROWS_4
+#undef MOE_XPU_NDOT_ROWS_6
+#undef MOE_XPU_NDOT_LOOP
 #undef MOE_XPU_DOT_ZERO_TILE
 #undef MOE_XPU_DOT_TILE_SUMS
 
@@ -445,7 +454,11 @@ void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
           if (g < num_groups && k_pairs > 0) {
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + 2 * k_pairs;
-            if (w.lane == 0) n_dot_tile_sums(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
+            if (w.lane == 0) {
+              if (valid <= 2) n_dot_tile_sums<2>(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
+              else if (valid <= 4) n_dot_tile_sums<4>(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
+              else n_dot_tile_sums<6>(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
+            }
             sycl::group_barrier(w.sg);
           }
           #pragma unroll
@@ -497,7 +510,7 @@ void moe_xpu_n_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64
   float* sums = local_floats<kNDotSums>();
   const uint16_t* a_end[kNDotRows];
   for (int i = 0; i < kNDotRows; ++i) a_end[i] = a + i * k + k;
-  if (w.lane == 0) n_dot_tile_sums(sums, a_end, b, kNDotCols * 2, k / 2);
+  if (w.lane == 0) n_dot_tile_sums<kNDotRows>(sums, a_end, b, kNDotCols * 2, k / 2);
   sycl::group_barrier(w.sg);
   for (int o = w.lane; o < kNDotRows * kNDotCols; o += kLanes)
     out[o] = sums[n_dot_sum_index(o / kNDotCols, o % kNDotCols)];
