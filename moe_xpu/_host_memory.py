@@ -81,28 +81,31 @@ class GradientBuffers:
         """An uninitialised CPU tensor: a free pooled buffer of the same size, stride and dtype, or
         a new one (kept in the pool). Small tensors and a disabled pool get plain fresh memory."""
         size, stride = tuple(size), tuple(stride)
-        nbytes = (1 + sum((n - 1) * s for n, s in zip(size, stride))) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = (1 + sum((n - 1) * s for n, s in zip(size, stride))) * dtype.itemsize
         if not self.enabled() or nbytes < _MIN_BYTES or 0 in size:
-            return advise_huge_pages(torch.empty_strided(size, stride, dtype=dtype))
+            return empty_strided_for_write(size, stride, dtype=dtype, device=torch.device("cpu"))
         key = (size, stride, dtype)
         with self._lock:
             buffers = self._pool.setdefault(key, [])
             for buffer in buffers:
                 if _storage_references(buffer) == self._free_count:
                     return buffer.as_strided(size, stride)  # a new tensor: the pool's stays its own
-            buffer = advise_huge_pages(torch.empty_strided(size, stride, dtype=dtype))
+            buffer = empty_strided_for_write(size, stride, dtype=dtype, device=torch.device("cpu"))
             buffers.append(buffer)
             return buffer.as_strided(size, stride)
 
+    def _held_bytes_locked(self) -> int:
+        return sum(b.untyped_storage().nbytes() for buffers in self._pool.values() for b in buffers)
+
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(b.untyped_storage().nbytes() for buffers in self._pool.values() for b in buffers)
+            return self._held_bytes_locked()
 
     def release(self) -> int:
         """Drops the pool's references (buffers still in use stay with their users); returns the
         bytes the pool held."""
         with self._lock:
-            held = sum(b.untyped_storage().nbytes() for buffers in self._pool.values() for b in buffers)
+            held = self._held_bytes_locked()
             self._pool.clear()
             return held
 

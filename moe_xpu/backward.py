@@ -31,11 +31,15 @@ def _check_wgrad_metadata(a, grad_out, group_offsets, gather_index) -> None:
         raise MoeXpuInputError("moe_gemm_wgrad: without gather_index, a and grad_out must have the same rows")
 
 
-def _empty_weight_grad(a, grad_out, group_offsets, k_contiguous: bool) -> torch.Tensor:
+def _empty_weight_grad(a, grad_out, group_offsets, k_contiguous: bool, pooled: bool = False) -> torch.Tensor:
     """[E, K, N] in the layout of the weights it is the gradient of: K contiguous (nn.Linear
-    weights seen through ``.transpose(1, 2)``) or N contiguous."""
+    weights seen through ``.transpose(1, 2)``) or N contiguous. ``pooled``: a CPU buffer from the
+    gradient pool, for a kernel that writes every element (a reused buffer needs no clearing)."""
     E, K, N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
-    return empty_strided_for_write((E, K, N), _weight_grad_strides(K, N, k_contiguous), dtype=a.dtype, device=a.device)
+    size, stride = (E, K, N), _weight_grad_strides(K, N, k_contiguous)
+    if pooled and a.device.type == "cpu":
+        return gradient_buffers.empty_strided(size, stride, dtype=a.dtype)
+    return empty_strided_for_write(size, stride, dtype=a.dtype, device=a.device)
 
 
 def _weight_grad_strides(K: int, N: int, k_contiguous: bool) -> tuple[int, int, int]:
@@ -44,11 +48,7 @@ def _weight_grad_strides(K: int, N: int, k_contiguous: bool) -> tuple[int, int, 
 
 def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
     a, grad_out, group_offsets = rows_contiguous(a), rows_contiguous(grad_out), group_offsets.contiguous()
-    if a.device.type == "cpu":  # the kernel writes every element: a reused buffer needs no clearing
-        E, K, N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
-        out = gradient_buffers.empty_strided((E, K, N), _weight_grad_strides(K, N, k_contiguous), dtype=a.dtype)
-    else:
-        out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous)
+    out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous, pooled=True)
     C = _runtime.sycl_module()
     w = C.WgradArgs()
     w.queue = _runtime.queue_address(a.device)

@@ -311,10 +311,9 @@ struct DotStatus {
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:
 // their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
 // lane 0's copy, honouring its register clobbers) is not something the compiler checks. bf16: one
-// tile of small integers (exact in bf16 and in float sums) over 96 k, of each B layout; int8: one tile over 192 k
-// holding -128 and 127, whose int32 sums (with the +128 correction) must be exact. Families that
-// `status` already rules out are not probed.
-
+// tile of small integers (exact in bf16 and in float sums) over 96 k, of each B layout; int8: one
+// tile over 192 k holding -128 and 127, whose int32 sums (with the +128 correction) must be exact.
+// Families that `status` already rules out are not probed.
 DotStatus dot_probes(sycl::queue q, DotStatus status) {
   constexpr int kRows = kDotRows, kCols = kDotCols;
   std::vector<std::string> names;

@@ -693,8 +693,9 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
                                                args.tile_m == 0 && args.tile_n == 0);
   // bf16 A and B on a CPU with AVX512-BF16 where the matrix engine does not run: the dot-product
   // kernels, where tiles of several rows reuse each B vector (the decode tile, one row a group, is
-  // bound by streaming the weights and stays on the vector kernel). Tile overrides address the
-  // vector kernels.
+  // bound by streaming the weights and stays on the vector kernel). K-contiguous weights take the
+  // k-lanes dot kernels (gated too); N-contiguous ones the n_dot tile, which is not gated and
+  // needs whole 64-column tiles. Tile overrides address the vector kernels.
   const bool use_dot = !use_matrix && args.engine == 0 && d.bf16_dot && args.dtype == DType::bfloat16 &&
                        args.a_dtype == DType::bfloat16 && rows_per_group > 2.0 && args.tile_m == 0 &&
                        args.tile_n == 0 && (k_lanes || (!gated && args.N % kNDotCols == 0));

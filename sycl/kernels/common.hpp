@@ -115,4 +115,18 @@ inline int64_t source_row(const void* gather_index, int gather_is64, int64_t m, 
   return clamp64(load_index(gather_index, gather_is64, m), 0, a_rows - 1);
 }
 
+// How many of a group's `rows` its row tile m_tile of tm rows holds: tm, or fewer in the last tile.
+inline int64_t tile_valid_rows(int64_t rows, int64_t m_tile, int64_t tm) {
+  return rows - m_tile * tm < tm ? rows - m_tile * tm : tm;
+}
+
+// A's row i of a row tile (gathered rows m0 .. m0 + valid - 1). Rows past valid repeat the last
+// one, so a whole tile's loads stay in bounds; their results are never stored.
+template <typename T>
+inline const T* tile_a_row(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                           int gather_is64, int64_t m0, int64_t valid, int64_t i) {
+  const int64_t m = m0 + (i < valid ? i : valid - 1);
+  return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+}
+
 }  // namespace moe_xpu

@@ -50,11 +50,6 @@ inline auto global_ptr(T* p) {
                                   sycl::access::decorated::no>(p);
 }
 
-// Real rows in token tile t (of `toks` tokens) of a group with `rows` rows.
-inline int64_t matrix_tile_rows(int64_t rows, int64_t t, int64_t toks = kMatToks) {
-  return rows - t * toks < toks ? rows - t * toks : toks;
-}
-
 // The token rows a matrix-kernel worker holds in its scratch, packed once per (group, row block):
 // a worker's consecutive units share them (see for_each_owned_unit).
 struct HeldRowBlock {
@@ -67,7 +62,7 @@ struct HeldRowBlock {
             PackTileFn&& pack_tile, int64_t toks = kMatToks) {
     if (g == group && m_first == block) return;
     for (int64_t t = m_first; t < m_last; ++t)
-      pack_tile(t - m_first, row_begin + t * toks, matrix_tile_rows(rows, t, toks));
+      pack_tile(t - m_first, row_begin + t * toks, tile_valid_rows(rows, t, toks));
     group = g;
     block = m_first;
   }
@@ -99,8 +94,7 @@ template <int Toks, typename T, typename TA>
 inline void matrix_pack_rows(const TA* a, int64_t a_row_stride, int64_t a_rows,
                              const void* gather_index, int gather_is64, int64_t m0, int64_t valid,
                              int64_t K, int lane, uint32_t* packed) {
-  const int64_t m = m0 + (lane < valid ? lane : valid - 1);
-  const TA* row = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+  const TA* row = tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, lane);
   for (int64_t r = 0; r < K / 2; ++r)
     packed[r * Toks + lane] = engine_pair<T>(row[2 * r], row[2 * r + 1]);
 }
@@ -249,7 +243,7 @@ inline void matrix_unit_tiles(const Worker& w, KLoopFn&& k_loop,
     for (int j = 0; j < pair; ++j) {
       const float* tile = stored + j * 2 * Rows * Toks;  // [weight tile][weight row][token]
       const int64_t m0 = row_begin + (t + j) * Toks;
-      const int64_t valid = matrix_tile_rows(rows, t + j, Toks);
+      const int64_t valid = tile_valid_rows(rows, t + j, Toks);
       for (int64_t m = 0; m < valid; ++m) {
         const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
         TOut* dst = out + target.row * out_row_stride + n0;

@@ -162,10 +162,8 @@ inline void k_lanes_tile(const VectorArgs<TA, T, TOut>& p, const Worker& w, int6
   if (g < num_groups) {
     const TA* a_row[R];
     #pragma unroll
-    for (int i = 0; i < R; ++i) {  // rows past the group repeat its last row; not stored
-      const int64_t m = m0 + (i < valid_rows ? i : valid_rows - 1);
-      a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
-    }
+    for (int i = 0; i < R; ++i)
+      a_row[i] = tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid_rows, i);
     const T* b_col[TN];
     #pragma unroll
     for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + b_n[j] * b_stride_n;
@@ -270,7 +268,7 @@ void moe_gemm_k_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
           const int64_t k_end = k_begin + chunk < K ? k_begin + chunk : K;
           for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
             const int64_t m0 = row_begin + m_tile * TM;
-            const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+            const int64_t valid = tile_valid_rows(rows, m_tile, TM);
             float* saved = KChunk > 0 ? partial + (m_tile - m_first) * kTileElems + w.lane : nullptr;
             const PrefetchShare prefetch{int(m_tile - m_first), chunked ? int(tiles) : 0};
             // A group's last row tile is often short (always, for experts with a row or two under
@@ -520,12 +518,11 @@ void moe_gemm_n_lanes(const TA* a, int64_t a_row_stride, int64_t a_rows, const v
                                     std::size_t(full_tile ? tile_n : N - n_tile * tile_n));
                 float acc[TM][TN];
                 resume_partial_sums(acc, KChunk > 0 && k_begin > 0, saved);
+                const int64_t valid = tile_valid_rows(rows, m_tile, TM);
                 const TA* a_row[TM];
                 #pragma unroll
-                for (int i = 0; i < TM; ++i) {
-                  const int64_t m = m0 + (i < rows - m_tile * TM ? i : rows - 1 - m_tile * TM);
-                  a_row[i] = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
-                }
+                for (int i = 0; i < TM; ++i)
+                  a_row[i] = tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
                 if constexpr (kPairType) {
                   if (pair_tile) {
                     const uint32_t* b_words =
@@ -700,9 +697,8 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
           return;
         }
         held.hold(g, row_begin, rows, m_first, m_last, [&](int64_t j, int64_t m0, int64_t valid) {
-          for (int64_t i = 0; i < kMatToks; ++i) {  // rows past valid repeat the last one
-            const int64_t m = m0 + (i < valid ? i : valid - 1);
-            const TA* src = a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+          for (int64_t i = 0; i < kMatToks; ++i) {
+            const TA* src = tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
             uint16_t* dst = rows_a + (j * kMatToks + i) * K;
             for (int64_t k = w.lane; k < K; k += kLanes) dst[k] = FromFloat<uint16_t>::convert(to_float(src[k]));
           }
@@ -749,7 +745,7 @@ void moe_gemm_matrix_kn(const TA* a, int64_t a_row_stride, int64_t a_rows, const
                 jm::joint_matrix_store(w.sg, acc[i], global_ptr(stored + i * kMatToks * kMatRows), kMatRows,
                                        jm::layout::row_major);
               const int64_t m0 = row_begin + t * kMatToks;
-              const int64_t valid = matrix_tile_rows(rows, t);
+              const int64_t valid = tile_valid_rows(rows, t, kMatToks);
               const int stores = tile_of[1] != tile_of[0] ? 2 : 1;
               for (int i = 0; i < stores; ++i) {
                 const int64_t n = n0 + tile_of[i] * kMatRows + w.lane;

@@ -225,10 +225,9 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
         for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + tile_b_column<TN, Gated>(n0, j, N, up_offset) * b_stride_n;
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
-          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
-          auto a_row = [&](int i) {  // rows past the group repeat its last row; not stored
-            const int64_t m = m0 + (i < valid ? i : valid - 1);
-            return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
+          auto a_row = [&](int i) {
+            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
           };
           if (g < num_groups && k_full > 0) {
             const uint16_t* a_end[TM];
@@ -310,10 +309,9 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
         }
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
-          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
           auto a_row = [&](int i) {
-            const int64_t m = m0 + (i < valid ? i : valid - 1);
-            return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
           };
           if (g < num_groups && k_full > 0) {
             const int8_t* a_end[TM];
@@ -446,10 +444,9 @@ void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
         const uint16_t* b_tile = b + g * b_stride_e + n0;
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
-          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
-          auto a_row = [&](int i) {  // rows past the group repeat its last row; not stored
-            const int64_t m = m0 + (i < valid ? i : valid - 1);
-            return a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
+          auto a_row = [&](int i) {
+            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
           };
           if (g < num_groups && k_pairs > 0) {
             const uint16_t* a_end[TM];

@@ -468,7 +468,7 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
         if constexpr (Prefetch) prefetch_column_tile<TN, Gated, Fmt>(p, g, n_tile + 1, w.lane);
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
-          const int64_t valid = rows - m_tile * TM < TM ? rows - m_tile * TM : TM;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
           quant_tile<TM, TN, Gated, Lookup, TA, Fmt>(p, w, g, m0, valid, n_tile);
         }
       });
@@ -509,8 +509,8 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
       [&](int64_t j, int64_t m0, int64_t valid) {
         // Lane t packs token t: word r holds its k = 4r .. 4r + 3, low byte first (rows past
         // valid repeat the last one; their outputs are not stored).
-        const int64_t m = m0 + (w.lane < valid ? w.lane : valid - 1);
-        const uint8_t* row = reinterpret_cast<const uint8_t*>(a + source_row(gather_index, gather_is64, m, a_rows) * a_row_stride);
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(
+            tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, w.lane));
         uint32_t* dst = packed + j * (K / 4) * Toks;
         for (int64_t r = 0; r < K / 4; ++r)
           dst[r * Toks + w.lane] = uint32_t(row[4 * r]) | (uint32_t(row[4 * r + 1]) << 8) |
@@ -540,7 +540,7 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
           for (int j = 0; j < pair; ++j) {
             const int32_t* tile = stored + j * 2 * Rows * Toks;  // [weight tile][weight row][token]
             const int64_t m0 = row_begin + (t + j) * Toks;
-            const int64_t valid = matrix_tile_rows(rows, t + j, Toks);
+            const int64_t valid = tile_valid_rows(rows, t + j, Toks);
             for (int64_t m = 0; m < valid; ++m) {
               const float row_scale = a_scale[source_row(gather_index, gather_is64, m0 + m, a_rows)];
               const RowTarget target = row_target(scatter_index, scatter_is64, row_weight, m0 + m, out_rows);
