@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_generate  # noqa: E402  (the one-process demo's model families)
 
 import moe_xpu.integrations.transformers as moe_xpu_hf  # noqa: E402
+from moe_xpu.distributed import exit_process  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

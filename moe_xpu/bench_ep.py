@@ -42,7 +42,7 @@ def wire_bytes_per_token(experts: int, top_k: int, hidden: int, world: int, row_
 
 def _rank_main(rank: int, world: int, port: int, repeats: int, queue) -> None:
     from moe_xpu import fused
-    from moe_xpu.distributed import ExpertPlacement, combine, dispatch
+    from moe_xpu.distributed import ExpertPlacement, combine, dispatch, exit_process
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -89,6 +89,7 @@ def _rank_main(rank: int, world: int, port: int, repeats: int, queue) -> None:
             queue.put((world, medians.tolist(), (sent / (world * c["tokens_per_rank"])).tolist()))
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # reached only without an exception, which mp.start_processes reports
 
 
 def bench_ep(worlds=(2, 4), repeats: int = 5, link_gbs: float = 50.0) -> list[tuple]:

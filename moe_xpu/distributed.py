@@ -21,14 +21,29 @@ exchange: a bad argument on one rank raises on every rank instead of leaving the
 
 from __future__ import annotations
 
+import os
 import socket
-from typing import NamedTuple
+import sys
+from typing import NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from moe_xpu import fused
 from moe_xpu.ops import MoeXpuInputError
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """Ends a process whose process group is destroyed, without the interpreter's teardown.
+
+    torch's gloo worker threads drop their last references to a collective's tensors after the
+    collective has completed, and dropping a tensor Python also wraps takes the GIL. If the
+    interpreter has begun its teardown by then, the thread is ended inside that destructor and the
+    process aborts ("terminate called without an active exception", signal 6) after everything
+    succeeded: a race that loaded machines lose. Call it last, with stdout and stderr to flush."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_local_port() -> int:

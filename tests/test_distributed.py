@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moe_xpu
-from moe_xpu.distributed import ExpertPlacement, expert_parallel_fused_moe, free_local_port
+from moe_xpu.distributed import ExpertPlacement, exit_process, expert_parallel_fused_moe, free_local_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -49,34 +49,39 @@ def _worker(rank, world, port, dtype, placement_kind, bad_rank, bad="id"):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        x, w1, w2, b1, b2, weights, ids = _problem(0, dtype)
-        E = w1.shape[0]
-        placement = _placement(placement_kind, E, world)
-        mine = placement.local_experts(rank)
-        start, stop = _token_ranges(x.shape[0], world)[rank]
-        my_ids = ids[start:stop].clone()
-        my_x, my_weights = x[start:stop], weights[start:stop]
-        if rank == bad_rank and bad == "id":
-            my_ids[0, 0] = E  # outside the placement
-        if rank == bad_rank and bad == "top_k":  # valid here, but not what the other ranks send
-            my_ids, my_weights = my_ids[:, :2], my_weights[:, :2]
-        args = (my_x, w1[mine], w2[mine], my_weights, my_ids, placement)
-        kwargs = dict(gate_up_bias=b1[mine], down_bias=b2[mine])
-        if bad == "top_k":
-            with pytest.raises(moe_xpu.MoeXpuInputError, match="must agree"):
-                expert_parallel_fused_moe(*args, **kwargs)
-            return
-        if bad_rank is not None:
-            expected = "topk_ids on rank" if rank == bad_rank else "another rank's inputs"
-            with pytest.raises(moe_xpu.MoeXpuInputError, match=expected):
-                expert_parallel_fused_moe(*args, **kwargs)
-            return
-        out = expert_parallel_fused_moe(*args, **kwargs)
-        ref = moe_xpu.fused_moe(x, w1, w2, weights, ids, gate_up_bias=b1, down_bias=b2)[start:stop]
-        assert out.dtype == dtype and out.shape == ref.shape
-        assert torch.equal(out, ref), f"rank {rank}: max diff {(out.float() - ref.float()).abs().max()}"
+        _check_rank(rank, world, dtype, placement_kind, bad_rank, bad)
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # reached only without an exception, which mp.spawn reports
+
+
+def _check_rank(rank, world, dtype, placement_kind, bad_rank, bad):
+    x, w1, w2, b1, b2, weights, ids = _problem(0, dtype)
+    E = w1.shape[0]
+    placement = _placement(placement_kind, E, world)
+    mine = placement.local_experts(rank)
+    start, stop = _token_ranges(x.shape[0], world)[rank]
+    my_ids = ids[start:stop].clone()
+    my_x, my_weights = x[start:stop], weights[start:stop]
+    if rank == bad_rank and bad == "id":
+        my_ids[0, 0] = E  # outside the placement
+    if rank == bad_rank and bad == "top_k":  # valid here, but not what the other ranks send
+        my_ids, my_weights = my_ids[:, :2], my_weights[:, :2]
+    args = (my_x, w1[mine], w2[mine], my_weights, my_ids, placement)
+    kwargs = dict(gate_up_bias=b1[mine], down_bias=b2[mine])
+    if bad == "top_k":
+        with pytest.raises(moe_xpu.MoeXpuInputError, match="must agree"):
+            expert_parallel_fused_moe(*args, **kwargs)
+        return
+    if bad_rank is not None:
+        expected = "topk_ids on rank" if rank == bad_rank else "another rank's inputs"
+        with pytest.raises(moe_xpu.MoeXpuInputError, match=expected):
+            expert_parallel_fused_moe(*args, **kwargs)
+        return
+    out = expert_parallel_fused_moe(*args, **kwargs)
+    ref = moe_xpu.fused_moe(x, w1, w2, weights, ids, gate_up_bias=b1, down_bias=b2)[start:stop]
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.equal(out, ref), f"rank {rank}: max diff {(out.float() - ref.float()).abs().max()}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
