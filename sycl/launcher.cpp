@@ -999,14 +999,12 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
   const std::int64_t wg = plan.work_group_size, global = global_size(plan);
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
-  if (plan.matrix_engine) scratch_lock.lock();
-  void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
-  // The kernel's lanes store along its N: a dB contiguous along K is computed as dB^T = dY^T A
-  // (operands, sizes and strides swapped; the index table then applies to its second operand).
-  const bool transposed = args.out_stride_n != 1 && args.out_stride_k == 1;
+  if (plan.scratch_bytes > 0) scratch_lock.lock();
+  void* scratch = plan.scratch_bytes > 0 ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
+  // Transposed (the index table then applies to the kernel's second operand): see plan_wgrad_for.
   const WgradArgs& x = args;
   sycl::event done = q.submit([&](sycl::handler& h) {
-    if (transposed)
+    if (plan.wgrad_transposed)
       h.set_args(ptr(x.dy), x.dy_row_stride, x.dy_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.a),
                  x.a_row_stride, x.a_rows, ptr(x.group_offsets), int(x.offsets_are_int64), x.num_groups, x.N, x.K,
                  ptr(x.out), x.out_stride_e, x.out_stride_n, x.out_stride_k, int(x.gather_index != 0));
@@ -1014,7 +1012,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
       h.set_args(ptr(x.a), x.a_row_stride, x.a_rows, ptr(x.gather_index), int(x.gather_is_int64), ptr(x.dy),
                  x.dy_row_stride, x.dy_rows, ptr(x.group_offsets), int(x.offsets_are_int64), x.num_groups, x.K, x.N,
                  ptr(x.out), x.out_stride_e, x.out_stride_k, x.out_stride_n, 0);
-    if (plan.matrix_engine) h.set_arg(18, scratch);
+    if (plan.scratch_bytes > 0) h.set_arg(18, scratch);
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
   if (scratch_lock.owns_lock()) scratch_lock.unlock();

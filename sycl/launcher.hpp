@@ -146,6 +146,8 @@ struct LaunchPlan {
   // scratch area for each worker.
   bool matrix_engine = false;
   std::int64_t scratch_bytes = 0;
+  // Weight gradient: dB is computed as dB^T = dY^T A (operands, sizes and strides swapped).
+  bool wgrad_transposed = false;
   // CPU device: the work-groups run one after another on the calling thread (see
   // inline_flops_limit and inline_bytes_limit in variants.cpp) instead of on the runtime's thread
   // pool. Same work-groups, same bits.

@@ -241,7 +241,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dot:
     case Family::dot_gated:
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
-    case Family::dot_kn: return {TileShape{kNDotRows, kNDotCols / int(kSubGroupSize)}};
+    case Family::dot_kn:
+    case Family::dot_wgrad: return {TileShape{kNDotRows, kNDotCols / int(kSubGroupSize)}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
     // register; on AVX2 one column vector down 8 rows of K (dB of the prefill case into touched
     // memory, AMD EPYC Zen 3: float32 553 -> 393 ms, bfloat16 602 -> 454 ms against {4, 2}; of
@@ -313,7 +314,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dot:
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
-    case Family::dot_kn: return kNDotSums * 4;  // a tile's accumulators
+    case Family::dot_kn:
+    case Family::dot_wgrad: return kNDotSums * 4;  // a tile's accumulators
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -356,7 +358,7 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
     return args.str();
   }
-  if (f == Family::dot_kn) {
+  if (f == Family::dot_kn || f == Family::dot_wgrad) {
     args << type_name(out);
     return args.str();
   }
@@ -398,6 +400,7 @@ std::string kernel_base(Family f) {
     case Family::dot_gated: return "k_dot";
     case Family::quant_dot: return "quant_dot";
     case Family::dot_kn: return "n_dot";
+    case Family::dot_wgrad: return "dot_wgrad";
   }
   throw std::invalid_argument("moe_xpu: unknown kernel family");
 }
@@ -419,7 +422,7 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
          f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::dot_kn &&
-         f != Family::quant_dot;
+         f != Family::dot_wgrad && f != Family::quant_dot;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -518,7 +521,7 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
   std::vector<Family> families{Family::k_lanes, Family::k_lanes_gated, Family::n_lanes, Family::wgrad};
   if (engine_takes(d, t)) families.insert(families.end(), {Family::matrix, Family::matrix_gated, Family::matrix_wgrad});
   if (t == DType::bfloat16 && has_amx_tile(d)) families.push_back(Family::matrix_kn);
-  if (t == DType::bfloat16 && d.bf16_dot) families.insert(families.end(), {Family::dot, Family::dot_gated, Family::dot_kn});
+  if (t == DType::bfloat16 && d.bf16_dot) families.insert(families.end(), {Family::dot, Family::dot_gated, Family::dot_kn, Family::dot_wgrad});
   std::vector<Variant> variants;
   for (Family f : families)
     for (TileShape s : family_tiles(f, d, t)) {
@@ -751,14 +754,26 @@ LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
         "moe_xpu: the matrix-engine weight gradient needs a device with one, operands of a dtype it takes "
         "(bf16; fp16 where the engine takes it) and K, N of at least two engine tiles");
   const bool use_matrix = args.engine == 2 || (args.engine == 0 && matrix_shape && rows_per_group > 4.0);
-  const Family family = use_matrix ? Family::matrix_wgrad : Family::wgrad;
+  // The kernels store along their N: a dB contiguous along K is computed as dB^T = dY^T A.
+  const bool transposed = args.out_stride_n != 1 && args.out_stride_k == 1;
+  // bf16 on a CPU with AVX512-BF16 where the engine does not run: the dot kernel, for its N in
+  // whole 64-column tiles, dY read in place (so transposed only without an index table, which
+  // would then apply to it), and groups of at least kDotWgradMinRows rows (with fewer, each
+  // tile's sums over a few row pairs cost less than moving them out of the assembly's registers).
+  const bool use_dot = !use_matrix && args.engine == 0 && d.bf16_dot && args.dtype == DType::bfloat16 &&
+                       (transposed ? args.K : args.N) % kNDotCols == 0 && (transposed || args.out_stride_n == 1) &&
+                       !(transposed && args.gather_index != 0) && rows_per_group >= double(kDotWgradMinRows);
+  const Family family = use_matrix ? Family::matrix_wgrad : use_dot ? Family::dot_wgrad : Family::wgrad;
   const TileShape shape = family_tiles(family, d, args.dtype)[0];
   const std::int64_t lanes = use_matrix ? engine_tile(d).sub_group_size : kSubGroupSize;
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;
+  plan.wgrad_transposed = transposed;
   // (The kernel walks dY's rows in either orientation: see moe_gemm_wgrad in launcher.cpp.)
-  plan.scratch_bytes = use_matrix ? wgrad_matrix_scratch_bytes(args.dy_rows) : 0;
+  plan.scratch_bytes = use_matrix ? wgrad_matrix_scratch_bytes(args.dy_rows)
+                       : use_dot  ? dot_wgrad_scratch_bytes(args.dy_rows)
+                                  : 0;
   plan.tile_m = shape.tile_m;
   plan.tile_n = shape.tile_n * int(use_matrix ? engine_tile(d).n : kSubGroupSize);
   plan.sub_group_size = int(lanes);

@@ -232,3 +232,123 @@ def test_state_names_why_the_kernels_do_not_run(C, family):
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, switch: "0"})
     assert off.stdout.strip() == f"off ({switch}=0)"
+    # A compile error in the kernels' own source turns them off like a wrong sum would, and every
+    # test above would then skip: it must fail here instead.
+    assert "compilation failed" not in state.lower(), state
+
+
+# The bf16 weight gradient (moe_gemm_dot_wgrad): dB = A^T dY per group, the group's rows as the
+# dot tile's reduction (row pairs; an odd last row in float), groups of 64+ rows on average, its N
+# (dB's N; for K-contiguous dB, computed transposed without an index table, dB's K) a multiple of
+# 64. (On CPUs with AMX the matrix-engine weight gradient takes these first: the checks allow it.)
+
+
+def _wgrad_out(E, K, N, layout):
+    """dB filled with NaN (every element must be written): [E, K, N], or K-contiguous [E, N, K]
+    seen as [E, K, N]."""
+    if layout == "kn":
+        return torch.full((E, K, N), float("nan"), dtype=torch.bfloat16)
+    return torch.full((E, N, K), float("nan"), dtype=torch.bfloat16).transpose(1, 2)
+
+
+def _wgrad(C, a, dy, offs, gather, out, workers=0, dot_expected=True):
+    from test_moe_gemm_backward import _wgrad_args
+
+    w = _wgrad_args(C, a, dy, offs, gather, out)
+    w.num_workers = workers
+    name = C.plan_wgrad(w).kernel_name
+    if C.device_description(0)["matrix_shapes"] and "matrix_wgrad" in name:
+        pass
+    elif dot_expected:
+        assert "moe_gemm_dot_wgrad<" in name, name
+    else:
+        assert "dot_wgrad" not in name, name
+    C.moe_gemm_wgrad(w)
+    return out
+
+
+def _assert_within_a_rounding(got, a, dy, offs, gather):
+    """Every element within one bf16 rounding of the float64 gradient (plus float32 summation)."""
+    from reference import moe_gemm_grad_reference
+
+    E, K, N = got.shape
+    _, want, _ = moe_gemm_grad_reference(a, torch.zeros(E, K, N), offs, dy, gather)
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2.0**-8 + 1e-5 * max(1.0, want.abs().max().item())
+    assert not got.isnan().any(), "every element of dB must be written"
+    assert torch.all(err <= bound), f"max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+def test_plan_picks_the_dot_wgrad_kernel(dot):
+    from test_moe_gemm_backward import _wgrad_args
+
+    def name(counts, K, N, dtype=torch.bfloat16, engine=0, layout="kn", gathered=False):
+        a = torch.randn(sum(counts), K).to(dtype)
+        dy = torch.randn(sum(counts), N).to(dtype)
+        out = torch.empty(len(counts), K, N, dtype=dtype)
+        if layout == "linear":
+            out = torch.empty(len(counts), N, K, dtype=dtype).transpose(1, 2)
+        gather = torch.arange(sum(counts)) if gathered else None
+        w = _wgrad_args(dot, a, dy, offsets(counts, torch.int64), gather, out)
+        w.engine = engine
+        return dot.plan_wgrad(w).kernel_name
+
+    amx = bool(dot.device_description(0)["matrix_shapes"])
+    assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 70, 128) or amx
+    assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 70, 128, gathered=True) or amx
+    assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 128, 70, layout="linear") or amx
+    assert "dot_wgrad" not in name([63] * 4, 70, 128)                    # few rows a group
+    assert "dot_wgrad" not in name([64] * 4, 70, 96)                     # N % 64
+    assert "dot_wgrad" not in name([64] * 4, 96, 128, layout="linear")   # transposed: K % 64
+    assert "dot_wgrad" not in name([64] * 4, 128, 70, layout="linear", gathered=True)  # would gather dY
+    assert "dot_wgrad" not in name([64] * 4, 70, 128, torch.float32)
+    assert "dot_wgrad" not in name([64] * 4, 70, 128, torch.float16)
+    assert "dot_wgrad" not in name([64] * 4, 70, 128, engine=1)          # the vector kernel asked for
+
+
+@pytest.mark.parametrize("K,N,layout,gathered", [
+    (k, n, layout, gathered)
+    for (k, n, layout) in [(1, 128, "kn"), (6, 64, "kn"), (13, 128, "kn"), (70, 192, "kn"),
+                           (128, 1, "linear"), (64, 6, "linear"), (192, 13, "linear"), (64, 70, "linear")]
+    for gathered in (False, True)])
+def test_dot_wgrad_matches_reference(dot, K, N, layout, gathered):
+    """Empty groups, odd and even row counts, a single row, the tile's rows (K, or N transposed)
+    below, at and past its 6 (its 2- and 4-row assembly); worker counts that cut the units
+    anywhere: bitwise equal. K-contiguous dB with an index table is the vector kernel's."""
+    counts = [0, 257, 6, 0, 91, 1, 133]
+    rows = sum(counts)
+    a = torch.randn(rows + 5, K, dtype=torch.bfloat16)
+    dy = torch.randn(rows, N, dtype=torch.bfloat16)
+    gather = torch.randint(0, rows + 5, (rows,), dtype=torch.int32) if gathered else None
+    if not gathered:
+        a = a[:rows]
+    offs = offsets(counts, torch.int64)
+    dot_expected = not (layout == "linear" and gathered)
+    first = _wgrad(dot, a, dy, offs, gather, _wgrad_out(len(counts), K, N, layout), dot_expected=dot_expected)
+    _assert_within_a_rounding(first, a, dy, offs, gather)
+    for workers in (1, 3, 7):
+        again = _wgrad(dot, a, dy, offs, gather, _wgrad_out(len(counts), K, N, layout), workers, dot_expected)
+        assert torch.equal(again, first), f"{workers} workers"
+
+
+def test_dot_wgrad_one_group_takes_everything_strided_rows(dot):
+    counts = [0, 301, 0]
+    offs = offsets(counts, torch.int64)
+    for layout, K, N in (("kn", 30, 64), ("linear", 64, 30)):
+        a = torch.randn(301, K + 7, dtype=torch.bfloat16)[:, 2 : 2 + K]  # rows K + 7 elements apart
+        dy = torch.randn(301, N + 40, dtype=torch.bfloat16)[:, 8 : 8 + N]  # rows N + 40 apart
+        out = _wgrad(dot, a, dy, offs, None, _wgrad_out(3, K, N, layout))
+        _assert_within_a_rounding(out, a, dy, offs, None)
+        assert not out[0].any() and not out[2].any()
+
+
+def test_dot_wgrad_non_finite_values_stay_in_their_columns(dot):
+    """An inf in dY reaches only its own column of dB (the odd last row is summed apart, not as a
+    pair with padding, where 0 * inf would spread a NaN)."""
+    counts, K, N = [127, 65], 12, 64
+    a = torch.randn(192, K, dtype=torch.bfloat16)
+    dy = torch.randn(192, N, dtype=torch.bfloat16)
+    dy[3, 5] = float("inf")
+    out = _wgrad(dot, a, dy, offsets(counts, torch.int64), None, _wgrad_out(2, K, N, "kn"))
+    assert torch.isinf(out[0, :, 5]).all() and torch.isfinite(out[0, :, :5]).all()
+    assert torch.isfinite(out[0, :, 6:]).all() and torch.isfinite(out[1]).all()

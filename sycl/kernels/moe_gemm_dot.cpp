@@ -478,6 +478,87 @@ void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
       });
 }
 
+// The weight gradient on AVX512-BF16, dB[g] = A[rows of g]^T dY[rows of g] for bf16 operands:
+// moe_gemm_n_dot's tile with the group's rows as its reduction. dY's rows are its B rows, read in
+// place two at a time (rows 2r and 2r + 1 interleaved in registers); A's columns k0 .. k0 + 5 over
+// the group's row pairs are its A rows, packed by the lanes into the worker's scratch as
+// (A[2r][k], A[2r + 1][k]) dwords through the index table and kept while the worker's consecutive
+// units share them. A unit: 6 rows of dB (columns of A) x 64 columns (N a multiple of 64), summed
+// over the row pairs in order and the odd last row in float: one fixed order, bitwise
+// reproducible, no atomics. The parameters are moe_gemm_wgrad's, with dB contiguous along its N
+// (the lanes store along it) and dY read in place, never through the index table: the plan
+// (plan_wgrad_for) launches it transposed for K-contiguous dB only without an index table.
+template <typename TOut>
+MOE_XPU_KERNEL
+void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                        int gather_is64, const uint16_t* dy, int64_t dy_row_stride, int64_t dy_rows,
+                        const void* group_offsets, int offsets_is64, int64_t num_groups, int64_t K,
+                        int64_t N, TOut* out, int64_t out_stride_e, int64_t out_stride_k,
+                        int64_t out_stride_n, int, void* scratch) {
+  constexpr int TK = kNDotRows, TN = kNDotCols;
+  const Worker w = this_worker();
+  const int64_t tiles_n = N / TN;
+  const int64_t tiles = (K + TK - 1) / TK * tiles_n;
+  const int64_t cap = dot_wgrad_pair_capacity(dy_rows);
+  uint32_t* at = static_cast<uint32_t*>(scratch) + w.id * TK * cap;  // [TK][cap] row pairs
+  float* sums = local_floats<kNDotSums>();
+  const bool dense = wgrad_dense(K, N, out_stride_e, out_stride_k, out_stride_n);
+  int64_t held_group = -1, held_k0 = -1;  // the columns of A that `at` holds
+  auto shape = [&](int64_t rows, int64_t& units, int64_t& cost) { units = tiles, cost = rows + 1; };
+  for_each_owned_wgrad_units(w.id, w.count, group_offsets, offsets_is64, num_groups, dy_rows, shape,
+                             [&](int64_t g, int64_t row_begin, int64_t rows, int64_t u_lo, int64_t u_hi, int64_t) {
+    TOut* out_g = out + g * out_stride_e;
+    if (rows == 0 && dense) {
+      store_zero_share(out_g, K * N, u_lo, u_hi, tiles, w.lane, kLanes);
+      return;
+    }
+    const int64_t pairs = rows / 2;
+    auto a_row = [&](int64_t m) { return a + source_row(gather_index, gather_is64, row_begin + m, a_rows) * a_row_stride; };
+    const uint16_t* odd_a = rows % 2 != 0 ? a_row(rows - 1) : nullptr;
+    const uint16_t* odd_dy = dy + (row_begin + rows - 1) * dy_row_stride;
+    // Units K tile by K tile, column tiles inside: consecutive units share the packed columns.
+    for (int64_t t = u_lo; t < u_hi; ++t) {
+      const int64_t k0 = (t / tiles_n) * TK, n0 = (t % tiles_n) * TN;
+      const int64_t valid = tile_valid_rows(K, k0 / TK, TK);
+      if (pairs > 0) {
+        if (g != held_group || k0 != held_k0) {
+          for (int64_t r = w.lane; r < pairs; r += kLanes) {
+            const uint16_t* lo = a_row(2 * r);
+            const uint16_t* hi = a_row(2 * r + 1);
+            #pragma unroll
+            for (int i = 0; i < TK; ++i) {  // columns past K repeat the last one; not stored
+              const int64_t k = k0 + (i < valid ? i : valid - 1);
+              at[i * cap + r] = uint32_t(lo[k]) | (uint32_t(hi[k]) << 16);
+            }
+          }
+          held_group = g;
+          held_k0 = k0;
+          sycl::group_barrier(w.sg);  // lane 0 reads every lane's pairs
+        }
+        const uint16_t* a_end[TK];
+        for (int i = 0; i < TK; ++i) a_end[i] = reinterpret_cast<const uint16_t*>(at + i * cap + pairs);
+        const uint16_t* b_tile = dy + row_begin * dy_row_stride + n0;
+        if (w.lane == 0) {
+          if (valid <= 2) n_dot_tile_sums<2>(sums, a_end, b_tile, dy_row_stride * 2, pairs);
+          else if (valid <= 4) n_dot_tile_sums<4>(sums, a_end, b_tile, dy_row_stride * 2, pairs);
+          else n_dot_tile_sums<6>(sums, a_end, b_tile, dy_row_stride * 2, pairs);
+        }
+        sycl::group_barrier(w.sg);
+      }
+      for (int i = 0; i < valid; ++i) {  // consecutive lanes, consecutive columns: whole-vector stores
+        TOut* row = out_g + (k0 + i) * out_stride_k + n0 + w.lane;
+        #pragma unroll
+        for (int c0 = 0; c0 < TN; c0 += kLanes) {
+          float s = pairs > 0 ? sums[n_dot_sum_index(i, c0 + w.lane)] : 0.0f;
+          if (odd_a != nullptr) s = sycl::fma(to_float(odd_a[k0 + i]), to_float(odd_dy[n0 + c0 + w.lane]), s);
+          row[c0] = FromFloat<TOut>::convert(s);
+        }
+      }
+      sycl::group_barrier(w.sg);  // the sums are read before the next unit overwrites them
+    }
+  });
+}
+
 }  // namespace moe_xpu
 
 #ifdef MOE_XPU_DOT_PROBE
@@ -544,3 +625,7 @@ void moe_xpu_int8_dot_probe(const int8_t* a, const int8_t* b, int32_t* out, int6
   template void moe_xpu::moe_gemm_n_dot<TOut>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_K_DOT(TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_dot<TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
+#define MOE_XPU_INSTANTIATE_DOT_WGRAD(TOut)                                                                     \
+  template void moe_xpu::moe_gemm_dot_wgrad<TOut>(const uint16_t*, int64_t, int64_t, const void*, int,         \
+                                                  const uint16_t*, int64_t, int64_t, const void*, int, int64_t, \
+                                                  int64_t, int64_t, TOut*, int64_t, int64_t, int64_t, int, void*);

@@ -21,22 +21,6 @@
 
 namespace moe_xpu {
 
-// dB dense per group in either layout: an empty group's zeros can then be stored as one flat run.
-inline bool wgrad_dense(int64_t K, int64_t N, int64_t stride_e, int64_t stride_k, int64_t stride_n) {
-  return stride_e == K * N && ((stride_k == N && stride_n == 1) || (stride_k == 1 && stride_n == K));
-}
-
-// An empty group's zeros in dense dB: the worker's share of its units [u_lo, u_hi) of `units`, as
-// the same share of its elements, stored consecutively across the lanes. Unit by unit, the empty
-// tiles' bookkeeping cost twice the stores (decode float32, dB of 128 experts into touched memory:
-// 323 ms).
-template <typename TOut>
-inline void store_zero_share(TOut* out_g, int64_t elems, int64_t u_lo, int64_t u_hi, int64_t units,
-                             int lane, int lanes) {
-  const TOut zero = FromFloat<TOut>::convert(0.0f);
-  for (int64_t e = u_lo * elems / units + lane; e < u_hi * elems / units; e += lanes) out_g[e] = zero;
-}
-
 template <typename T, typename TOut, int TK, int TN>
 MOE_XPU_KERNEL
 void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
