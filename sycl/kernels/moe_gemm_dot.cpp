@@ -355,13 +355,32 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
 // Tile 6 rows x 64 columns: accumulator (i, v) in zmm(4 i + v), v = 0, 1 the low and high
 // registers of columns 0-31, v = 2, 3 of columns 32-63; the pairs in zmm24-27, the loaded rows in
 // zmm28-29, A's broadcast pair in zmm30.
+// vpermt2ps indices taking columns 0-15 and 16-31 in order from a (low, high) accumulator pair:
+// element 4 l + j of the low register is column 8 l + j, of the high one (index + 16) 8 l + 4 + j.
+alignas(64) constexpr int32_t kNDotUnpermute[32] = {0, 1, 2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
+                                                    8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+
 #define MOE_XPU_NDOT_ROW(i, r0, r1, r2, r3)              \
   "vpbroadcastd (%[a" #i "],%[ko]), %%zmm30\n\t"        \
   "vdpbf16ps %%zmm24, %%zmm30, %%zmm" #r0 "\n\t"        \
   "vdpbf16ps %%zmm25, %%zmm30, %%zmm" #r1 "\n\t"        \
   "vdpbf16ps %%zmm26, %%zmm30, %%zmm" #r2 "\n\t"        \
   "vdpbf16ps %%zmm27, %%zmm30, %%zmm" #r3 "\n\t"
-#define MOE_XPU_NDOT_STORE(r) "vmovups %%zmm" #r ", " #r "*64(%[sums])\n\t"
+// After the loop, accumulators (a, a + 1) = (low, high) registers of 32 columns, un-permuted into
+// columns in order with the two index vectors zmm30, zmm31 (kNDotUnpermute) and stored as sums
+// vectors a and a + 1: sums[i * 64 + c].
+#define MOE_XPU_NDOT_STORE(a, b)                          \
+  "vmovaps %%zmm" #a ", %%zmm28\n\t"                     \
+  "vpermt2ps %%zmm" #b ", %%zmm30, %%zmm28\n\t"          \
+  "vpermt2ps %%zmm" #b ", %%zmm31, %%zmm" #a "\n\t"      \
+  "vmovups %%zmm28, " #a "*64(%[sums])\n\t"              \
+  "vmovups %%zmm" #a ", " #b "*64(%[sums])\n\t"
+#define MOE_XPU_NDOT_STORE_TILE                                                                          \
+  "vmovdqu32 (%[perm]), %%zmm30\n\t" "vmovdqu32 64(%[perm]), %%zmm31\n\t"                             \
+  MOE_XPU_NDOT_STORE(0, 1) MOE_XPU_NDOT_STORE(2, 3) MOE_XPU_NDOT_STORE(4, 5) MOE_XPU_NDOT_STORE(6, 7)   \
+  MOE_XPU_NDOT_STORE(8, 9) MOE_XPU_NDOT_STORE(10, 11) MOE_XPU_NDOT_STORE(12, 13)                        \
+  MOE_XPU_NDOT_STORE(14, 15) MOE_XPU_NDOT_STORE(16, 17) MOE_XPU_NDOT_STORE(18, 19)                     \
+  MOE_XPU_NDOT_STORE(20, 21) MOE_XPU_NDOT_STORE(22, 23)
 
 // The B row pair of a k step, interleaved into zmm24-27 (see above).
 #define MOE_XPU_NDOT_PAIRS                                \
@@ -379,18 +398,18 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
 #define MOE_XPU_NDOT_LOOP(ROWS)                                                                                \
   asm volatile(                                                                                                 \
       MOE_XPU_DOT_ZERO_TILE "1:\n\t" MOE_XPU_NDOT_PAIRS ROWS "lea (%[bp],%[rb],2), %[bp]\n\t"              \
-      "add $4, %[ko]\n\t" "jnz 1b\n\t" MOE_XPU_DOT_TILE_SUMS(MOE_XPU_NDOT_STORE)                            \
+      "add $4, %[ko]\n\t" "jnz 1b\n\t" MOE_XPU_NDOT_STORE_TILE                                               \
       : [ko] "+r"(ko), [bp] "+r"(b0)                                                                            \
       : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),   \
-        [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums)                                            \
+        [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums), [perm] "r"(kNDotUnpermute)               \
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
         "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",      \
-        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30")
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31")
 
 // The raw accumulators of the tile's first R rows (2, 4 or 6: a group's short last row tile
 // computes no padding rows beyond the next of them) over k in [0, k_pairs * 2): A rows end at
 // a_end[i] (2 k_pairs elements past their start), B row 0 of the tile at b0 (its column n0), B
-// rows b_row_bytes apart; sums[(4 i + v) * 16 + lane] as laid out above (rows past R: zeros).
+// rows b_row_bytes apart; sums[i * 64 + c] (rows past R: zeros).
 // k_pairs > 0.
 template <int R>
 inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRows], const uint16_t* b0,
@@ -404,6 +423,7 @@ inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRow
 
 #undef MOE_XPU_NDOT_ROW
 #undef MOE_XPU_NDOT_STORE
+#undef MOE_XPU_NDOT_STORE_TILE
 #undef MOE_XPU_NDOT_PAIRS
 #undef MOE_XPU_NDOT_ROWS_2
 #undef MOE_XPU_NDOT_ROWS_4
@@ -413,11 +433,7 @@ inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRow
 #undef MOE_XPU_DOT_TILE_SUMS
 
 // Where column c (0..63) of tile row i sits in n_dot_tile_sums' output.
-inline int n_dot_sum_index(int i, int c) {
-  const int v = (c / 32) * 2 + (c % 8) / 4;
-  const int lane = ((c % 32) / 8) * 4 + c % 4;
-  return (4 * i + v) * 16 + lane;
-}
+inline int n_dot_sum_index(int i, int c) { return i * kNDotCols + c; }
 
 // The N-split GEMM on bf16 A and bf16 B contiguous along N (b_stride_k: B's stride between rows
 // of K), the parameters of moe_gemm_n_lanes. N a multiple of kNDotCols (the launcher checks).
