@@ -238,7 +238,7 @@ def test_state_names_why_the_kernels_do_not_run(C, family):
 
 
 # The bf16 weight gradient (moe_gemm_dot_wgrad): dB = A^T dY per group, the group's rows as the
-# dot tile's reduction (row pairs; an odd last row in float), groups of 64+ rows on average, its N
+# dot tile's reduction (row pairs; an odd last row in float), groups of 16+ rows on average, its N
 # (dB's N; for K-contiguous dB, computed transposed without an index table, dB's K) a multiple of
 # 64. (On CPUs with AMX the matrix-engine weight gradient takes these first: the checks allow it.)
 
@@ -297,7 +297,8 @@ def test_plan_picks_the_dot_wgrad_kernel(dot):
     assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 70, 128) or amx
     assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 70, 128, gathered=True) or amx
     assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 128, 70, layout="linear") or amx
-    assert "dot_wgrad" not in name([63] * 4, 70, 128)                    # few rows a group
+    assert "moe_gemm_dot_wgrad<uint16_t>" in name([16] * 4, 70, 128) or amx
+    assert "dot_wgrad" not in name([15] * 4, 70, 128)                    # few rows a group
     assert "dot_wgrad" not in name([64] * 4, 70, 96)                     # N % 64
     assert "dot_wgrad" not in name([64] * 4, 96, 128, layout="linear")   # transposed: K % 64
     assert "dot_wgrad" not in name([64] * 4, 128, 70, layout="linear", gathered=True)  # would gather dY
