@@ -257,12 +257,8 @@ def _wgrad(C, a, dy, offs, gather, out, workers=0, dot_expected=True):
     w = _wgrad_args(C, a, dy, offs, gather, out)
     w.num_workers = workers
     name = C.plan_wgrad(w).kernel_name
-    if C.device_description(0)["matrix_shapes"] and "matrix_wgrad" in name:
-        pass
-    elif dot_expected:
-        assert "moe_gemm_dot_wgrad<" in name, name
-    else:
-        assert "dot_wgrad" not in name, name
+    matrix_first = bool(C.device_description(0)["matrix_shapes"]) and "matrix_wgrad" in name
+    assert matrix_first or ("moe_gemm_dot_wgrad<" in name) == dot_expected, name
     C.moe_gemm_wgrad(w)
     return out
 

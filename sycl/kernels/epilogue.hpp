@@ -114,7 +114,8 @@ __attribute__((always_inline)) inline void k_split_epilogue(const Worker& w, con
   }
 }
 
-// Weight gradients (moe_gemm_wgrad.cpp, moe_gemm_dot.cpp): dB dense per group in either layout: an empty group's zeros can then be stored as one flat run.
+// Weight gradients (moe_gemm_wgrad.cpp, moe_gemm_dot.cpp): dB dense per group in either layout,
+// so an empty group's zeros can be stored as one flat run.
 inline bool wgrad_dense(int64_t K, int64_t N, int64_t stride_e, int64_t stride_k, int64_t stride_n) {
   return stride_e == K * N && ((stride_k == N && stride_n == 1) || (stride_k == 1 && stride_n == K));
 }

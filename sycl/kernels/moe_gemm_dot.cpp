@@ -351,15 +351,15 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
 // lie in two B rows: `vpunpcklwd` / `vpunpckhwd` of rows k and k + 1 interleave them into
 // (B[k][n], B[k + 1][n]) pairs, 16 columns a register, and A's (k, k + 1) pair is one broadcast
 // dword. The unpacks work within 128-bit lanes, so the low register of 32 columns holds columns
-// 8 l + 0..3 and the high one 8 l + 4..7 of lane l; the epilogue reads them back in order.
-// Tile 6 rows x 64 columns: accumulator (i, v) in zmm(4 i + v), v = 0, 1 the low and high
-// registers of columns 0-31, v = 2, 3 of columns 32-63; the pairs in zmm24-27, the loaded rows in
-// zmm28-29, A's broadcast pair in zmm30.
+// 8 l + 0..3 and the high one 8 l + 4..7 of lane l; the tile's store puts them back in order.
 // vpermt2ps indices taking columns 0-15 and 16-31 in order from a (low, high) accumulator pair:
 // element 4 l + j of the low register is column 8 l + j, of the high one (index + 16) 8 l + 4 + j.
 alignas(64) constexpr int32_t kNDotUnpermute[32] = {0, 1, 2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
                                                     8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
 
+// Tile 6 rows x 64 columns: accumulator (i, v) in zmm(4 i + v), v = 0, 1 the low and high
+// registers of columns 0-31, v = 2, 3 of columns 32-63; the pairs in zmm24-27, the loaded rows in
+// zmm28-29, A's broadcast pair in zmm30.
 #define MOE_XPU_NDOT_ROW(i, r0, r1, r2, r3)              \
   "vpbroadcastd (%[a" #i "],%[ko]), %%zmm30\n\t"        \
   "vdpbf16ps %%zmm24, %%zmm30, %%zmm" #r0 "\n\t"        \
@@ -530,8 +530,9 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
     }
     const int64_t pairs = rows / 2;
     auto a_row = [&](int64_t m) { return a + source_row(gather_index, gather_is64, row_begin + m, a_rows) * a_row_stride; };
-    const uint16_t* odd_a = rows % 2 != 0 ? a_row(rows - 1) : nullptr;
-    const uint16_t* odd_dy = dy + (row_begin + rows - 1) * dy_row_stride;
+    const bool odd = rows % 2 != 0;
+    const uint16_t* odd_a = odd ? a_row(rows - 1) : nullptr;
+    const uint16_t* odd_dy = odd ? dy + (row_begin + rows - 1) * dy_row_stride : nullptr;
     // Units K tile by K tile, column tiles inside: consecutive units share the packed columns.
     for (int64_t t = u_lo; t < u_hi; ++t) {
       const int64_t k0 = (t / tiles_n) * TK, n0 = (t % tiles_n) * TN;
