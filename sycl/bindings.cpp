@@ -153,6 +153,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("sub_group_size", &moe_xpu::LaunchPlan::sub_group_size)
       .def_readonly("widen_a", &moe_xpu::LaunchPlan::widen_a)
       .def_readonly("matrix_engine", &moe_xpu::LaunchPlan::matrix_engine)
+      .def_readonly("scratch_bytes", &moe_xpu::LaunchPlan::scratch_bytes)
       .def_readonly("calling_thread", &moe_xpu::LaunchPlan::calling_thread);
 
   py::class_<moe_xpu::DeviceInfo>(m, "DeviceInfo")

@@ -773,12 +773,12 @@ void submit(const GemmArgs& args, const ResolvedLaunch& r) {
   sycl::queue& q = *r.queue;
   const LaunchPlan& plan = r.plan;
   std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
-  if (plan.matrix_engine) scratch_lock.lock();
-  void* scratch = plan.matrix_engine ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
+  if (plan.scratch_bytes > 0) scratch_lock.lock();
+  void* scratch = plan.scratch_bytes > 0 ? scratch_for(q, std::size_t(plan.num_workers * plan.scratch_bytes)) : nullptr;
   const std::int64_t wg = plan.work_group_size, global = global_size(plan);
   sycl::event done = q.submit([&](sycl::handler& h) {
     with_kernel_arguments(args, [&](auto... values) {
-      if (plan.matrix_engine) h.set_args(values..., scratch);  // the scratch area is the kernels' last argument
+      if (scratch != nullptr) h.set_args(values..., scratch);  // the scratch area is the kernels' last argument
       else h.set_args(values...);
     });
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, r.built->kernel);
@@ -931,9 +931,9 @@ void submit_native(const GemmArgs& args, const ResolvedLaunch& r, NativeCpuLaunc
   cl_event done = nullptr;
   {
     std::unique_lock<std::mutex> scratch_lock(scratch_mutex(), std::defer_lock);
-    if (r.plan.matrix_engine) scratch_lock.lock();
+    if (r.plan.scratch_bytes > 0) scratch_lock.lock();
     with_kernel_arguments(args, [&](const auto&... values) {
-      if (r.plan.matrix_engine)  // the scratch area is the kernels' last argument
+      if (r.plan.scratch_bytes > 0)  // the scratch area is the kernels' last argument
         done = native.enqueue(values..., scratch_for(*r.queue, std::size_t(r.plan.num_workers * r.plan.scratch_bytes)));
       else
         done = native.enqueue(values...);

@@ -723,7 +723,9 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   plan.tile_m = shape.tile_m;
   if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : engine_tile(d).m * (gated ? 1 : 2);
   else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
-  plan.scratch_bytes = use_matrix ? matrix_scratch_bytes(args.K, !k_lanes) : 0;
+  plan.scratch_bytes = use_matrix                ? matrix_scratch_bytes(args.K, !k_lanes)
+                       : family == Family::dot_kn ? n_dot_scratch_bytes(args.K, args.b_stride_k * 2)
+                                                  : 0;
   // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
   // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per
   // core; other cases unchanged within 2%);

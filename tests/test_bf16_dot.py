@@ -221,6 +221,58 @@ def test_n_dot_one_expert_takes_everything_and_worker_counts(dot):
     assert_matches_reference(outs[0], a, b, offs)
 
 
+# B rows whose byte stride is a multiple of 2048 share few cache sets: a unit of several row tiles
+# then interleaves its B pairs into scratch once and its later tiles read that copy
+# (sizes.hpp: n_dot_packs). The copy must give the same bits as reading B.
+
+
+def _rows_apart(b, stride):
+    """b's values with its rows `stride` elements apart."""
+    E, K, N = b.shape
+    out = torch.full((E, K, stride), float("nan"), dtype=b.dtype)
+    out[:, :, :N] = b
+    return out[:, :, :N]
+
+
+@pytest.mark.parametrize("index_dtype", [None, torch.int64])
+def test_n_dot_packed_b_gives_the_bits_of_reading_b(dot, index_dtype):
+    E, T, K, N = 5, 70, 611, 128
+    b = torch.randn(E, K, N, dtype=torch.bfloat16)
+    a = torch.randn(T, K, dtype=torch.bfloat16)
+    counts = [13, 0, 1, 40, 7]
+    offs = offsets(counts)
+    gather = None if index_dtype is None else torch.randint(0, T, (sum(counts),), dtype=index_dtype)
+    if gather is None:
+        a = a[: sum(counts)]
+    conflicting, spread = _rows_apart(b, 1024), _rows_apart(b, 1056)
+    p_conflicting, p_spread = plan(dot, a, conflicting, offs, gather)[0], plan(dot, a, spread, offs, gather)[0]
+    if "moe_gemm_n_dot<" not in p_conflicting.kernel_name:
+        pytest.skip(f"the plan runs {p_conflicting.kernel_name} here (a matrix engine takes these first)")
+    assert p_conflicting.scratch_bytes == K // 2 * 64 * 4  # 2048-byte rows: packed
+    assert p_spread.scratch_bytes < K // 2 * 64 * 4  # 2112-byte rows: read in place
+    outs = []
+    for workers in (0, 1, 3):
+        for weights in (conflicting, spread):
+            _, args, out = plan(dot, a, weights, offs, gather, num_workers=workers)
+            dot.moe_gemm(args)
+            outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert_matches_reference(outs[0], a, b, offs, gather_index=gather)
+
+
+def test_n_dot_past_the_packed_k_reads_b(dot):
+    E, K, N = 2, 4099, 64
+    b = _rows_apart(torch.randn(E, K, N, dtype=torch.bfloat16), 1024)
+    a = torch.randn(20, K, dtype=torch.bfloat16)
+    offs = offsets([13, 7])
+    p = plan(dot, a, b, offs)[0]
+    if "moe_gemm_n_dot<" not in p.kernel_name:
+        pytest.skip(f"the plan runs {p.kernel_name} here")
+    assert p.scratch_bytes < K // 2 * 64 * 4
+    assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+
+
 @pytest.mark.parametrize("family", ["bf16", "int8"])
 def test_state_names_why_the_kernels_do_not_run(C, family):
     # Unlike the tests above, on every CPU: "on" exactly where the device description has them

@@ -392,39 +392,77 @@ alignas(64) constexpr int32_t kNDotUnpermute[32] = {0, 1, 2,  3,  16, 17, 18, 19
   "vmovdqu16 64(%[bp],%[rb]), %%zmm29\n\t"               \
   "vpunpcklwd %%zmm29, %%zmm28, %%zmm26\n\t"             \
   "vpunpckhwd %%zmm29, %%zmm28, %%zmm27\n\t"
+// ... the same, the four interleaved registers also stored to the packed copy at pk.
+#define MOE_XPU_NDOT_PAIRS_SAVE                           \
+  MOE_XPU_NDOT_PAIRS                                      \
+  "vmovdqu64 %%zmm24, (%[pk])\n\t"                       \
+  "vmovdqu64 %%zmm25, 64(%[pk])\n\t"                     \
+  "vmovdqu64 %%zmm26, 128(%[pk])\n\t"                    \
+  "vmovdqu64 %%zmm27, 192(%[pk])\n\t"
+// ... or read back from it (no B rows, no unpacks).
+#define MOE_XPU_NDOT_PAIRS_PACKED                         \
+  "vmovdqu64 (%[pk]), %%zmm24\n\t"                       \
+  "vmovdqu64 64(%[pk]), %%zmm25\n\t"                     \
+  "vmovdqu64 128(%[pk]), %%zmm26\n\t"                    \
+  "vmovdqu64 192(%[pk]), %%zmm27\n\t"
 #define MOE_XPU_NDOT_ROWS_2 MOE_XPU_NDOT_ROW(0, 0, 1, 2, 3) MOE_XPU_NDOT_ROW(1, 4, 5, 6, 7)
 #define MOE_XPU_NDOT_ROWS_4 MOE_XPU_NDOT_ROWS_2 MOE_XPU_NDOT_ROW(2, 8, 9, 10, 11) MOE_XPU_NDOT_ROW(3, 12, 13, 14, 15)
 #define MOE_XPU_NDOT_ROWS_6 MOE_XPU_NDOT_ROWS_4 MOE_XPU_NDOT_ROW(4, 16, 17, 18, 19) MOE_XPU_NDOT_ROW(5, 20, 21, 22, 23)
-#define MOE_XPU_NDOT_LOOP(ROWS)                                                                                \
+#define MOE_XPU_NDOT_LOOP(PAIRS, ROWS)                                                                         \
   asm volatile(                                                                                                 \
-      MOE_XPU_DOT_ZERO_TILE "1:\n\t" MOE_XPU_NDOT_PAIRS ROWS "lea (%[bp],%[rb],2), %[bp]\n\t"              \
+      MOE_XPU_DOT_ZERO_TILE "1:\n\t" PAIRS ROWS "lea (%[bp],%[rb],2), %[bp]\n\t" "add $256, %[pk]\n\t"     \
       "add $4, %[ko]\n\t" "jnz 1b\n\t" MOE_XPU_NDOT_STORE_TILE                                               \
-      : [ko] "+r"(ko), [bp] "+r"(b0)                                                                            \
+      : [ko] "+r"(ko), [bp] "+r"(b0), [pk] "+r"(packed)                                                         \
       : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),   \
         [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums), [perm] "r"(kNDotUnpermute)               \
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
         "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",      \
         "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31")
 
+// Where a tile's interleaved B pairs come from: B's rows (read), B's rows with a packed copy
+// written as they are read (save), or that copy (packed).
+enum class NDotB { read, save, packed };
+
 // The raw accumulators of the tile's first R rows (2, 4 or 6: a group's short last row tile
 // computes no padding rows beyond the next of them) over k in [0, k_pairs * 2): A rows end at
 // a_end[i] (2 k_pairs elements past their start), B row 0 of the tile at b0 (its column n0), B
-// rows b_row_bytes apart; sums[i * 64 + c] (rows past R: zeros).
-// k_pairs > 0.
-template <int R>
+// rows b_row_bytes apart, the packed copy at `packed` (k_pairs * 256 bytes; unused by read);
+// sums[i * 64 + c] (rows past R: zeros). k_pairs > 0.
+template <int R, NDotB From = NDotB::read>
 inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRows], const uint16_t* b0,
-                            int64_t b_row_bytes, int64_t k_pairs) {
+                            int64_t b_row_bytes, int64_t k_pairs, void* packed = nullptr) {
   static_assert(R == 2 || R == 4 || R == 6, "the assembly is written for 2, 4 and 6 rows");
   int64_t ko = -4 * k_pairs;
-  if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_ROWS_2);
-  else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_ROWS_4);
-  else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_ROWS_6);
+  if constexpr (From == NDotB::save) {
+    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_2);
+    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_4);
+    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_6);
+  } else if constexpr (From == NDotB::packed) {
+    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_PACKED, MOE_XPU_NDOT_ROWS_2);
+    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_PACKED, MOE_XPU_NDOT_ROWS_4);
+    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_PACKED, MOE_XPU_NDOT_ROWS_6);
+  } else {
+    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_2);
+    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_4);
+    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_6);
+  }
+}
+
+// One tile's sums with B from `from`, R chosen by the tile's valid rows.
+template <NDotB From>
+inline void n_dot_tile_sums_for(int64_t valid, float* sums, const uint16_t* const (&a_end)[kNDotRows],
+                                const uint16_t* b0, int64_t b_row_bytes, int64_t k_pairs, void* packed) {
+  if (valid <= 2) n_dot_tile_sums<2, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
+  else if (valid <= 4) n_dot_tile_sums<4, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
+  else n_dot_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
 }
 
 #undef MOE_XPU_NDOT_ROW
 #undef MOE_XPU_NDOT_STORE
 #undef MOE_XPU_NDOT_STORE_TILE
 #undef MOE_XPU_NDOT_PAIRS
+#undef MOE_XPU_NDOT_PAIRS_SAVE
+#undef MOE_XPU_NDOT_PAIRS_PACKED
 #undef MOE_XPU_NDOT_ROWS_2
 #undef MOE_XPU_NDOT_ROWS_4
 #undef MOE_XPU_NDOT_ROWS_6
@@ -446,12 +484,14 @@ void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
                     const uint16_t* bias, int64_t bias_stride_e, TOut* out, int64_t out_row_stride,
                     int64_t out_rows, const void* group_offsets, int offsets_is64, int64_t num_groups,
                     int64_t K, int64_t N, int, int64_t, const void* scatter_index, int scatter_is64,
-                    const float* row_weight) {
+                    const float* row_weight, void* scratch) {
   constexpr int TM = kNDotRows, TN = kNDotCols;
   const Worker w = this_worker();
   const int64_t tiles_n = N / TN;
   const int64_t k_pairs = K / 2;
   float* tile_sums = local_floats<kNDotSums>();
+  const int64_t rb = b_stride_k * 2;
+  void* packed = n_dot_packs(K, rb) ? static_cast<char*>(scratch) + w.id * n_dot_scratch_bytes(K, rb) : nullptr;
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       UnitCost{int64_t(TM) * TN / 16, int64_t(TN / 16) * 14},
@@ -467,10 +507,13 @@ void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
           if (g < num_groups && k_pairs > 0) {
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + 2 * k_pairs;
-            if (w.lane == 0) {
-              if (valid <= 2) n_dot_tile_sums<2>(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
-              else if (valid <= 4) n_dot_tile_sums<4>(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
-              else n_dot_tile_sums<6>(tile_sums, a_end, b_tile, b_stride_k * 2, k_pairs);
+            if (w.lane == 0) {  // a unit of several tiles: the first packs B, the others read that
+              if (packed == nullptr || m_last - m_first == 1)
+                n_dot_tile_sums_for<NDotB::read>(valid, tile_sums, a_end, b_tile, rb, k_pairs, nullptr);
+              else if (m_tile == m_first)
+                n_dot_tile_sums_for<NDotB::save>(valid, tile_sums, a_end, b_tile, rb, k_pairs, packed);
+              else
+                n_dot_tile_sums_for<NDotB::packed>(valid, tile_sums, a_end, b_tile, rb, k_pairs, packed);
             }
             sycl::group_barrier(w.sg);
           }
@@ -556,9 +599,7 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
         for (int i = 0; i < TK; ++i) a_end[i] = reinterpret_cast<const uint16_t*>(at + i * cap + pairs);
         const uint16_t* b_tile = dy + row_begin * dy_row_stride + n0;
         if (w.lane == 0) {
-          if (valid <= 2) n_dot_tile_sums<2>(sums, a_end, b_tile, dy_row_stride * 2, pairs);
-          else if (valid <= 4) n_dot_tile_sums<4>(sums, a_end, b_tile, dy_row_stride * 2, pairs);
-          else n_dot_tile_sums<6>(sums, a_end, b_tile, dy_row_stride * 2, pairs);
+          n_dot_tile_sums_for<NDotB::read>(valid, sums, a_end, b_tile, dy_row_stride * 2, pairs, nullptr);
         }
         sycl::group_barrier(w.sg);
       }
@@ -639,7 +680,7 @@ void moe_xpu_int8_dot_probe(const int8_t* a, const int8_t* b, int32_t* out, int6
 #define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
   template void moe_xpu::moe_gemm_quant_dot<TOut, TM, TN>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut));
 #define MOE_XPU_INSTANTIATE_N_DOT(TOut) \
-  template void moe_xpu::moe_gemm_n_dot<TOut>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
+  template void moe_xpu::moe_gemm_n_dot<TOut>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut), void*);
 #define MOE_XPU_INSTANTIATE_K_DOT(TOut, TM, TN, GATED) \
   template void moe_xpu::moe_gemm_k_dot<TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(uint16_t, uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_DOT_WGRAD(TOut)                                                                     \

@@ -28,6 +28,30 @@ constexpr std::int64_t kDotSums = 32;
 constexpr int kNDotRows = 6;
 constexpr int kNDotCols = 64;
 constexpr std::int64_t kNDotSums = kNDotRows * kNDotCols;
+// The N-contiguous dot kernel's scratch (moe_gemm_n_dot): a worker's unit of several row tiles
+// keeps its 64 columns of B as the first tile interleaved them, K / 2 row pairs of 256 bytes, and
+// the later tiles read that copy. Only where B's rows fall into too few cache sets to stay in L2
+// for the second tile: rows a multiple of 64 bytes apart cover kNDotL2Sets / gcd(stride / 64,
+// kNDotL2Sets) sets (N = 2048 bf16, 4 KB apart: 32 of a 1 MB 8-way L2's 2048), which must hold
+// the tile's 2 K lines in kNDotL2Ways ways with room to spare; and K at most kNDotPackMaxK (the
+// copy stays within L2). Elsewhere every tile reads B itself: a copy there measured slower
+// (E = 64, K = 2048, rows 4160 bytes apart, 16 rows a group: 38-41 ms without, 45-61 ms with;
+// 4096 bytes apart: 58-62 without, 49-50 with).
+constexpr std::int64_t kNDotPackMaxK = 4096;
+constexpr std::int64_t kNDotL2Sets = 2048, kNDotL2Ways = 8;
+inline bool n_dot_packs(std::int64_t K, std::int64_t b_row_bytes) {
+  if (K > kNDotPackMaxK || b_row_bytes % 64 != 0) return false;
+  std::int64_t x = b_row_bytes / 64 % kNDotL2Sets, y = kNDotL2Sets;  // gcd(x, y)
+  while (x != 0) {
+    const std::int64_t r = y % x;
+    y = x;
+    x = r;
+  }
+  return kNDotL2Sets / y * kNDotL2Ways < 2 * K;
+}
+inline std::int64_t n_dot_scratch_bytes(std::int64_t K, std::int64_t b_row_bytes) {
+  return n_dot_packs(K, b_row_bytes) ? K / 2 * kNDotCols * 4 : 64;
+}
 
 // AMX's engine tile, which the N-contiguous matrix kernel is written for:
 constexpr int kMatRows = 16;  // weight rows (output columns) per engine tile
