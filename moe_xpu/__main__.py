@@ -66,7 +66,7 @@ def info(warm_up: bool = False) -> None:
               f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
         print("  bf16 dot       " + ("AVX512-BF16 (vdpbf16ps) kernels for bf16 A and B where groups average "
                                      "more than 2 rows (weights contiguous along K, or along N in 64-column "
-                                     "tiles), and for bf16 weight gradients of groups of 16 rows or more (N in "
+                                     "tiles), and for bf16 weight gradients of groups of 2 rows or more (N in "
                                      "64-column tiles); self-check passed (MOE_XPU_BF16_DOT=0: off)"
                                      if t["bf16_dot"] else C.bf16_dot_state()))
         print("  int8 dot       " + ("AVX512-VNNI (vpdpbusd) kernel for W8A8 where groups average more than 2 rows, "

@@ -46,22 +46,35 @@ def _weight_grad_strides(K: int, N: int, k_contiguous: bool) -> tuple[int, int, 
     return (N * K, 1, K) if k_contiguous else (K * N, N, 1)
 
 
-def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
-    a, grad_out, group_offsets = rows_contiguous(a), rows_contiguous(grad_out), group_offsets.contiguous()
-    out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous, pooled=True)
-    C = _runtime.sycl_module()
+def _wgrad_args(C, a, grad_out, group_offsets, gather_index, out):
     w = C.WgradArgs()
     w.queue = _runtime.queue_address(a.device)
     w.dtype = w.out_dtype = _launcher_dtype(a.dtype)
     w.a, w.a_row_stride, w.a_rows = a.data_ptr(), a.stride(0), a.shape[0]
     if gather_index is not None:
-        gather_index = gather_index.contiguous()
         w.gather_index, w.gather_is_int64 = gather_index.data_ptr(), gather_index.dtype == torch.int64
     w.dy, w.dy_row_stride, w.dy_rows = grad_out.data_ptr(), grad_out.stride(0), grad_out.shape[0]
     w.group_offsets, w.offsets_are_int64 = group_offsets.data_ptr(), group_offsets.dtype == torch.int64
     w.num_groups, w.K, w.N = group_offsets.shape[0], a.shape[1], grad_out.shape[1]
     w.out = out.data_ptr()
     w.out_stride_e, w.out_stride_k, w.out_stride_n = out.stride()
+    return w
+
+
+def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
+    a, grad_out, group_offsets = rows_contiguous(a), rows_contiguous(grad_out), group_offsets.contiguous()
+    gather_index = None if gather_index is None else gather_index.contiguous()
+    out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous, pooled=True)
+    C = _runtime.sycl_module()
+    w = _wgrad_args(C, a, grad_out, group_offsets, gather_index, out)
+    if gather_index is not None and k_contiguous and "dot_wgrad" not in C.plan_wgrad(w).kernel_name:
+        # The bf16 dot kernel computes K-contiguous dB transposed, reading A's rows in place, so not
+        # through an index table: where it would run, A's rows are gathered first (rows x K, small
+        # beside dB), clamped as the kernels clamp an index.
+        rows = a.index_select(0, gather_index.clamp(0, a.shape[0] - 1))
+        gathered = _wgrad_args(C, rows, grad_out, group_offsets, None, out)
+        if "dot_wgrad" in C.plan_wgrad(gathered).kernel_name:
+            a, w = rows, gathered  # (a keeps the rows alive through the launch)
     C.moe_gemm_wgrad(w)
     return out
 

@@ -290,7 +290,7 @@ def test_state_names_why_the_kernels_do_not_run(C, family):
 
 
 # The bf16 weight gradient (moe_gemm_dot_wgrad): dB = A^T dY per group, the group's rows as the
-# dot tile's reduction (row pairs; an odd last row in float), groups of 16+ rows on average, its N
+# dot tile's reduction (row pairs; an odd last row in float), groups of 2+ rows on average, its N
 # (dB's N; for K-contiguous dB, computed transposed without an index table, dB's K) a multiple of
 # 64. (On CPUs with AMX the matrix-engine weight gradient takes these first: the checks allow it.)
 
@@ -345,8 +345,8 @@ def test_plan_picks_the_dot_wgrad_kernel(dot):
     assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 70, 128) or amx
     assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 70, 128, gathered=True) or amx
     assert "moe_gemm_dot_wgrad<uint16_t>" in name([64] * 4, 128, 70, layout="linear") or amx
-    assert "moe_gemm_dot_wgrad<uint16_t>" in name([16] * 4, 70, 128) or amx
-    assert "dot_wgrad" not in name([15] * 4, 70, 128)                    # few rows a group
+    assert "moe_gemm_dot_wgrad<uint16_t>" in name([2] * 4, 70, 128) or amx
+    assert "dot_wgrad" not in name([1, 2, 1, 3], 70, 128)                # few rows a group
     assert "dot_wgrad" not in name([64] * 4, 70, 96)                     # N % 64
     assert "dot_wgrad" not in name([64] * 4, 96, 128, layout="linear")   # transposed: K % 64
     assert "dot_wgrad" not in name([64] * 4, 128, 70, layout="linear", gathered=True)  # would gather dY
@@ -378,6 +378,29 @@ def test_dot_wgrad_matches_reference(dot, K, N, layout, gathered):
     for workers in (1, 3, 7):
         again = _wgrad(dot, a, dy, offs, gather, _wgrad_out(len(counts), K, N, layout), workers, dot_expected)
         assert torch.equal(again, first), f"{workers} workers"
+
+
+def test_k_contiguous_weight_gradient_through_an_index_table_gathers_rows_first(dot, monkeypatch):
+    """moe_gemm_wgrad of nn.Linear-layout weights with an index table: the dot kernel cannot read
+    A through the table transposed, so the op gathers A's rows first and runs it on them: bitwise
+    the gradient of those rows without a table."""
+    from moe_xpu.backward import _moe_gemm_wgrad_op
+
+    counts, K, N = [5, 0, 64, 1, 30], 128, 70
+    rows = sum(counts)
+    a = torch.randn(41, K, dtype=torch.bfloat16)
+    dy = torch.randn(rows, N, dtype=torch.bfloat16)
+    gather = torch.randint(0, 41, (rows,), dtype=torch.int64)
+    offs = offsets(counts, torch.int64)
+    launched = []
+    launch = dot.moe_gemm_wgrad
+    monkeypatch.setattr(dot, "moe_gemm_wgrad", lambda w: (launched.append(dot.plan_wgrad(w).kernel_name), launch(w)))
+    got = _moe_gemm_wgrad_op(a, dy, offs, gather, True)
+    want = _moe_gemm_wgrad_op(a[gather], dy, offs, None, True)
+    assert got.stride(1) == 1  # K-contiguous, as nn.Linear weights
+    assert all("dot_wgrad" in name or "matrix_wgrad" in name for name in launched), launched
+    assert torch.equal(got, want)
+    _assert_within_a_rounding(got, a, dy, offs, gather)
 
 
 def test_dot_wgrad_one_group_takes_everything_strided_rows(dot):

@@ -124,17 +124,9 @@ def test_gradients_bitwise_identical_across_runs(dtype):
 
 
 def _wgrad_args(C, a, dy, offs, gather, out):
-    w = C.WgradArgs()
-    w.dtype = w.out_dtype = ops._launcher_dtype(a.dtype)
-    w.a, w.a_row_stride, w.a_rows = a.data_ptr(), a.stride(0), a.shape[0]
-    if gather is not None:
-        w.gather_index, w.gather_is_int64 = gather.data_ptr(), gather.dtype == torch.int64
-    w.dy, w.dy_row_stride, w.dy_rows = dy.data_ptr(), dy.stride(0), dy.shape[0]
-    w.group_offsets, w.offsets_are_int64, w.num_groups = offs.data_ptr(), offs.dtype == torch.int64, offs.shape[0]
-    w.K, w.N = a.shape[1], dy.shape[1]
-    w.out = out.data_ptr()
-    w.out_stride_e, w.out_stride_k, w.out_stride_n = out.stride()
-    return w
+    from moe_xpu.backward import _wgrad_args as wgrad_args
+
+    return wgrad_args(C, a, dy, offs, gather, out)
 
 
 @pytest.mark.parametrize("variants_for", ["", "pvc", "dg2"])

@@ -457,6 +457,66 @@ inline void n_dot_tile_sums_for(int64_t valid, float* sums, const uint16_t* cons
   else n_dot_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
 }
 
+// The weight gradient's bf16 store, straight from the accumulators: row i's two 32-column halves
+// un-permuted as MOE_XPU_NDOT_STORE does, plus (with ODD) the odd last row's product in float
+// (zmm24-27: its 64 dY values, row i's A value broadcast into zmm29), rounded to bf16 by
+// vcvtne2ps2bf16 (round to nearest even, NaN quiet, as FromFloat; it flushes subnormal sums to
+// zero) and stored as 64 bytes of the output row, which then moves on by os bytes.
+#define MOE_XPU_NDOT_ODD_NONE(i, d0, d1, h0, h1)
+#define MOE_XPU_NDOT_ODD_ADD(i, d0, d1, h0, h1)              \
+  "vbroadcastss 4*(64+" #i ")(%[odd]), %%zmm29\n\t"        \
+  "vfmadd231ps %%zmm" #d0 ", %%zmm29, %%zmm" #h0 "\n\t"      \
+  "vfmadd231ps %%zmm" #d1 ", %%zmm29, %%zmm" #h1 "\n\t"
+#define MOE_XPU_NDOT_BF16_HALF(i, a, b, d0, d1, at, ODD)   \
+  "vmovaps %%zmm" #a ", %%zmm28\n\t"                       \
+  "vpermt2ps %%zmm" #b ", %%zmm30, %%zmm28\n\t"            \
+  "vpermt2ps %%zmm" #b ", %%zmm31, %%zmm" #a "\n\t"        \
+  ODD(i, d0, d1, 28, a)                                     \
+  "vcvtne2ps2bf16 %%zmm28, %%zmm" #a ", %%zmm28\n\t"       \
+  "vmovdqu16 %%zmm28, " #at "(%[out])\n\t"
+#define MOE_XPU_NDOT_BF16_ROW(i, r0, r1, r2, r3, ODD)      \
+  MOE_XPU_NDOT_BF16_HALF(i, r0, r1, 24, 25, 0, ODD)         \
+  MOE_XPU_NDOT_BF16_HALF(i, r2, r3, 26, 27, 64, ODD)        \
+  "add %[os], %[out]\n\t"
+#define MOE_XPU_NDOT_BF16_TILE(ODD)                                                                   \
+  "vmovdqu32 (%[perm]), %%zmm30\n\t" "vmovdqu32 64(%[perm]), %%zmm31\n\t"                          \
+  MOE_XPU_NDOT_BF16_ROW(0, 0, 1, 2, 3, ODD) MOE_XPU_NDOT_BF16_ROW(1, 4, 5, 6, 7, ODD)                \
+  MOE_XPU_NDOT_BF16_ROW(2, 8, 9, 10, 11, ODD) MOE_XPU_NDOT_BF16_ROW(3, 12, 13, 14, 15, ODD)          \
+  MOE_XPU_NDOT_BF16_ROW(4, 16, 17, 18, 19, ODD) MOE_XPU_NDOT_BF16_ROW(5, 20, 21, 22, 23, ODD)
+#define MOE_XPU_NDOT_BF16_LOOP(ODD_LOAD, ODD)                                                                   \
+  asm volatile(                                                                                                 \
+      MOE_XPU_DOT_ZERO_TILE "1:\n\t" MOE_XPU_NDOT_PAIRS MOE_XPU_NDOT_ROWS_6 "lea (%[bp],%[rb],2), %[bp]\n\t"   \
+      "add $4, %[ko]\n\t" "jnz 1b\n\t" ODD_LOAD MOE_XPU_NDOT_BF16_TILE(ODD)                                  \
+      : [ko] "+r"(ko), [bp] "+r"(b0), [out] "+r"(out)                                                           \
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),   \
+        [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [perm] "r"(kNDotUnpermute), [os] "r"(out_row_bytes),       \
+        [odd] "r"(odd)                                                                                          \
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
+        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",      \
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31")
+
+// A whole 6 x 64 tile of the bf16 weight gradient: n_dot_tile_sums<6>'s sums (B read in place),
+// with ODD the odd last row added (odd[c]: its dY value of column c as float, c < 64; odd[64 + i]:
+// its A value of tile row i), rounded to bf16 and stored to out (row i at out + i os bytes).
+template <bool Odd>
+inline void n_dot_tile_store_bf16(const uint16_t* const (&a_end)[kNDotRows], const uint16_t* b0,
+                                  int64_t b_row_bytes, int64_t k_pairs, uint16_t* out, int64_t out_row_bytes,
+                                  const float* odd) {
+  int64_t ko = -4 * k_pairs;
+  if constexpr (Odd)
+    MOE_XPU_NDOT_BF16_LOOP("vmovups (%[odd]), %%zmm24\n\t" "vmovups 64(%[odd]), %%zmm25\n\t"
+                           "vmovups 128(%[odd]), %%zmm26\n\t" "vmovups 192(%[odd]), %%zmm27\n\t",
+                           MOE_XPU_NDOT_ODD_ADD);
+  else
+    MOE_XPU_NDOT_BF16_LOOP("", MOE_XPU_NDOT_ODD_NONE);
+}
+
+#undef MOE_XPU_NDOT_ODD_NONE
+#undef MOE_XPU_NDOT_ODD_ADD
+#undef MOE_XPU_NDOT_BF16_HALF
+#undef MOE_XPU_NDOT_BF16_ROW
+#undef MOE_XPU_NDOT_BF16_TILE
+#undef MOE_XPU_NDOT_BF16_LOOP
 #undef MOE_XPU_NDOT_ROW
 #undef MOE_XPU_NDOT_STORE
 #undef MOE_XPU_NDOT_STORE_TILE
@@ -598,6 +658,22 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
         const uint16_t* a_end[TK];
         for (int i = 0; i < TK; ++i) a_end[i] = reinterpret_cast<const uint16_t*>(at + i * cap + pairs);
         const uint16_t* b_tile = dy + row_begin * dy_row_stride + n0;
+        if constexpr (std::is_same_v<TOut, uint16_t>) {
+          if (valid == TK) {  // a whole bf16 tile: rounded and stored by the assembly
+            if (odd) {  // the odd row's values as floats, where the assembly reads them
+              for (int c = w.lane; c < TN; c += kLanes) sums[c] = to_float(odd_dy[n0 + c]);
+              if (w.lane < TK) sums[TN + w.lane] = to_float(odd_a[k0 + w.lane]);
+              sycl::group_barrier(w.sg);
+            }
+            TOut* row0 = out_g + k0 * out_stride_k + n0;
+            if (w.lane == 0) {
+              if (odd) n_dot_tile_store_bf16<true>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
+              else n_dot_tile_store_bf16<false>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
+            }
+            sycl::group_barrier(w.sg);  // the sums area is read before the next unit writes it
+            continue;
+          }
+        }
         if (w.lane == 0) {
           n_dot_tile_sums_for<NDotB::read>(valid, sums, a_end, b_tile, dy_row_stride * 2, pairs, nullptr);
         }

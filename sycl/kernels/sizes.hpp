@@ -107,7 +107,7 @@ inline std::int64_t wgrad_matrix_scratch_bytes(std::int64_t rows) {
 // The bf16 dot weight gradient (moe_gemm_dot_wgrad): the fewest rows a group averages for it to
 // run, and a worker's scratch: kNDotRows columns of A as dwords of row pairs, room for a group
 // with every row the launch walks.
-constexpr std::int64_t kDotWgradMinRows = 16;
+constexpr std::int64_t kDotWgradMinRows = 2;
 inline std::int64_t dot_wgrad_pair_capacity(std::int64_t rows) { return (rows + 1) / 2; }
 inline std::int64_t dot_wgrad_scratch_bytes(std::int64_t rows) {
   return kNDotRows * dot_wgrad_pair_capacity(rows) * 4;
