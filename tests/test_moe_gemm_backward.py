@@ -204,8 +204,8 @@ def test_gradient_of_b_alone_skips_a():
     assert a.grad is None
 
 
-def _huge_page_bytes_behind(address: int) -> int | None:
-    """AnonHugePages of the mapping holding address (None where /proc/self/smaps is missing)."""
+def _mapping_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping holding address (None where /proc/self/smaps lacks them)."""
     try:
         with open("/proc/self/smaps") as f:
             lines = f.readlines()
@@ -217,8 +217,8 @@ def _huge_page_bytes_behind(address: int) -> int | None:
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
     return None
 
 
@@ -234,7 +234,8 @@ def _transparent_huge_pages_mode() -> str:
 def test_large_weight_gradient(layout):
     """A weight gradient large enough (128 MB; glibc serves allocations above 32 MB from fresh
     mappings) to be asked for on huge pages: right values, experts without rows zero, and, where
-    the kernel offers transparent huge pages, backed by some."""
+    the kernel offers transparent huge pages, its mapping advised for them (VmFlags hg; whether
+    the kernel then finds free huge pages depends on the host's memory, not on moe_xpu)."""
     torch.manual_seed(0)
     E, K, N = 8, 2048, 2048
     counts = [3, 0, 5, 0, 0, 1, 7, 0]
@@ -251,5 +252,5 @@ def test_large_weight_gradient(layout):
         start += n
     assert b.grad.stride() == b.stride()
     if _transparent_huge_pages_mode() in ("always", "madvise"):
-        backed = _huge_page_bytes_behind(b.grad.data_ptr() + b.grad.nbytes // 2)
-        assert backed is None or backed > 0, "the weight gradient got no huge pages"
+        flags = _mapping_flags(b.grad.data_ptr() + b.grad.nbytes // 2)
+        assert flags is None or "hg" in flags, f"the weight gradient was not advised for huge pages: {flags}"
