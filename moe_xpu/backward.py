@@ -169,10 +169,11 @@ def _backward(ctx, grad):
 _moe_gemm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# fused_moe's backward. Nothing beyond the inputs is saved: the backward recomputes the first
-# GEMM (gate/up pre-activations). That costs one forward-sized GEMM again (the backward runs it
-# and 4 gradient GEMMs) and saves the [T*k, 2I] float32 activations per layer that saving them
-# would keep alive from the forward to the backward.
+# fused_moe's backward, for two forwards: moe_xpu::fused_moe_train keeps the gate/up
+# pre-activations (float32 [T*k, 2I] per layer, alive from the forward to the backward) and the
+# backward reads them; moe_xpu::fused_moe keeps only its inputs and the backward runs the first
+# GEMM again (one forward-sized GEMM more: the backward then runs it and 4 gradient GEMMs). Both
+# give the same gradients: the saved pre-activations come from the same launch as the recomputed.
 
 
 def _activation_and_slope(activation: str, gate: torch.Tensor):
@@ -186,9 +187,9 @@ def _activation_and_slope(activation: str, gate: torch.Tensor):
     return 0.5 * gate * (1 + t), 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * a3 * gate * gate)
 
 
-def _fused_setup_context(ctx, inputs, output) -> None:
+def _fused_setup_context(ctx, inputs, output, pre: torch.Tensor | None = None) -> None:
     x, gate_up, down, weights, ids, activation, gate_up_bias, down_bias = inputs
-    ctx.save_for_backward(x, gate_up, down, weights, ids, gate_up_bias, down_bias)
+    ctx.save_for_backward(x, gate_up, down, weights, ids, gate_up_bias, down_bias, pre)
     ctx.activation = activation
     ctx.wants = [t is not None and t.requires_grad for t in (x, gate_up, down, weights)]
     ctx.wants += [gate_up_bias is not None and gate_up_bias.requires_grad,
@@ -207,10 +208,12 @@ def _slots_to_tokens(rows: torch.Tensor, positions: torch.Tensor, T: int, k: int
 def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                            weights: torch.Tensor, ids: torch.Tensor, activation: str,
                            gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-                           wants: list[bool]) -> list[torch.Tensor]:
+                           pre: torch.Tensor | None, wants: list[bool]) -> list[torch.Tensor]:
     """The gradients of fused_moe that `wants` asks for (hidden_states, gate_up_proj, down_proj,
-    topk_weights, gate_up_bias, down_bias; an empty tensor for the others). An op of its own: it
-    reads how many routing pairs have an expert here (group_offsets[-1]), which graphs cannot."""
+    topk_weights, gate_up_bias, down_bias; an empty tensor for the others). ``pre``: the forward's
+    gate/up pre-activations (fused_moe_train's second output), or None to recompute them. An op of
+    its own: it reads how many routing pairs have an expert here (group_offsets[-1]), which graphs
+    cannot."""
     from moe_xpu.fused import sort_tokens
 
     want_x, want_gate_up, want_down, want_weights, want_gate_up_bias, want_down_bias = wants
@@ -222,8 +225,11 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
     M = int(s.group_offsets[-1]) if E else 0
     gather, positions, offsets = s.gather_index[:M], s.scatter_index[:M], s.group_offsets
 
-    pre = moe_gemm(x, gate_up.transpose(1, 2), offsets, gather_index=gather, bias=gate_up_bias,
-                   out_dtype=torch.float32)
+    if pre is None:
+        pre = moe_gemm(x, gate_up.transpose(1, 2), offsets, gather_index=gather, bias=gate_up_bias,
+                       out_dtype=torch.float32)
+    else:
+        pre = pre[:M]
     gate, up = pre[:, :I], pre[:, I:]
     act, slope = _activation_and_slope(activation, gate)
     h = (act * up).to(dtype)
@@ -266,7 +272,7 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
 
 
 @_fused_moe_backward_op.register_fake
-def _fused_moe_backward_fake(grad, x, gate_up, down, weights, ids, activation, gate_up_bias, down_bias, wants):
+def _fused_moe_backward_fake(grad, x, gate_up, down, weights, ids, activation, gate_up_bias, down_bias, pre, wants):
     E, I2, H = gate_up.shape
     like = [x, gate_up, down, weights, gate_up_bias, down_bias]
     grads = [torch.empty_like(t) if want else x.new_empty(0) for t, want in zip(like, wants)]
@@ -276,20 +282,25 @@ def _fused_moe_backward_fake(grad, x, gate_up, down, weights, ids, activation, g
     return grads
 
 
-def _fused_backward(ctx, grad):
-    x, gate_up, down, weights, ids, gate_up_bias, down_bias = ctx.saved_tensors
+def _fused_backward(ctx, grad, grad_pre=None):
+    x, gate_up, down, weights, ids, gate_up_bias, down_bias, pre = ctx.saved_tensors
     grads = _fused_moe_backward_op(grad, x, gate_up, down, weights, ids, ctx.activation, gate_up_bias, down_bias,
-                                   ctx.wants)
+                                   pre, ctx.wants)
     kept = [g if want else None for g, want in zip(grads, ctx.wants)]
     return kept[0], kept[1], kept[2], kept[3], None, None, kept[4], kept[5]
 
 
+def _fused_train_setup_context(ctx, inputs, output) -> None:
+    out, pre = output
+    ctx.mark_non_differentiable(pre)
+    _fused_setup_context(ctx, inputs, out, pre)
 
 
 def _register_fused_autograd() -> None:
-    from moe_xpu.fused import _fused_moe_op
+    from moe_xpu.fused import _fused_moe_op, _fused_moe_train_op
 
     _fused_moe_op.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+    _fused_moe_train_op.register_autograd(_fused_backward, setup_context=_fused_train_setup_context)
 
 
 _register_fused_autograd()

@@ -64,10 +64,9 @@ def _available(impls: dict[str, Callable[[], object] | None]) -> dict[str, Calla
     """The implementations this environment has (a peer missing from the installed torch or
     transformers is None or False); each one left out is said once."""
     for name, fn in impls.items():
-        if not fn and name not in _said_missing:
-            _said_missing.add(name)
-            print(f"note: {name} is not available with torch {torch.__version__} and the installed "
-                  f"transformers; left out")
+        if not fn:
+            _say_once(f"note: {name} is not available with torch {torch.__version__} and the installed "
+                      f"transformers; left out")
     return {name: fn for name, fn in impls.items() if fn}
 
 

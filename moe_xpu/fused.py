@@ -254,10 +254,13 @@ def _fused_moe_sycl(*args, prepared: PreparedFused | None = None):
 
 
 def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
-                   gate_up_bias, down_bias, prepared: PreparedFused | None = None):
+                   gate_up_bias, down_bias, prepared: PreparedFused | None = None,
+                   pre: torch.Tensor | None = None):
     """Every (token, slot) pair's weighted expert output, float32 [T, k, H] (zeros for sentinel
     slots), before the slot sum. ``prepared``: the PreparedFused of these arguments' metadata, whose
-    launches are planned here on its first call."""
+    launches are planned here on its first call. ``pre`` (float32 [T*k, 2I], zero-filled): the
+    first launch writes the gate/up pre-activations there and the activation runs in torch
+    (the training forward, which keeps them for the backward)."""
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
@@ -282,8 +285,9 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
             p.h_dtype = torch.bfloat16
     h = torch.empty(T * k, I, dtype=p.h_dtype, device=x.device)
     if p.gate_up is None:  # the first call with this metadata plans both launches
-        args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h)
-        args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
+        args = gemm_args(x, w_gate_up, group_offsets, gather_index, gate_up_bias, h if pre is None else pre)
+        if pre is None:
+            args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
         args.gather_matches_offsets = False  # slots of experts elsewhere sort past the last group
         gate_up, p.widen_x = prepare_launch(args, x)
         args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
@@ -297,7 +301,9 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
     bias_down = 0 if down_bias is None else down_bias.data_ptr()
     # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
     launch_prepared(p.gate_up, queue, a.data_ptr(), w_gate_up.data_ptr(), group_offsets.data_ptr(),
-                    gather_index.data_ptr(), bias_up, h.data_ptr())
+                    gather_index.data_ptr(), bias_up, h.data_ptr() if pre is None else pre.data_ptr())
+    if pre is not None:
+        h.copy_(torch_fallback.ACTIVATIONS[activation](pre[:, :I]) * pre[:, I:])
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
     launch_prepared(p.down, queue, h.data_ptr(), w_down.data_ptr(), group_offsets.data_ptr(), 0, bias_down,
                     per_slot.data_ptr(), scatter_index.data_ptr(), weights.data_ptr())
@@ -336,6 +342,63 @@ def run_on_backend(args: tuple, fallback, sycl, **sycl_options):
 def _fused_moe_checked(*args, prepared: PreparedFused | None = None):
     """fused_moe on arguments whose metadata was checked (``prepared``: their PreparedFused)."""
     return run_on_backend(args, torch_fallback.fused_moe, _fused_moe_sycl, prepared=prepared)
+
+
+def _zeroed_pre_activations(x: torch.Tensor, group_offsets: torch.Tensor, rows: int, I: int) -> torch.Tensor:
+    """float32 [rows, 2I] for the first GEMM's output, zero past the pairs with an expert here
+    (which the kernels leave unwritten). CPU offsets are read on the host to clear only those."""
+    if x.device.type != "cpu":
+        return torch.zeros(rows, 2 * I, dtype=torch.float32, device=x.device)
+    pre = torch.empty(rows, 2 * I, dtype=torch.float32)
+    pre[int(group_offsets[-1]) if group_offsets.numel() else 0:].zero_()
+    return pre
+
+
+def _fused_moe_train_sycl(*args):
+    x, gate_up_proj, topk_ids = args[0], args[1], args[4]
+    T, k, (E, I2) = x.shape[0], topk_ids.shape[1], gate_up_proj.shape[:2]
+    # The sort runs again inside _per_slot_sycl: its outputs are not kept between the two.
+    offsets = _sort_tokens_impl(topk_ids, E)[1]
+    pre = _zeroed_pre_activations(x, offsets, T * k, I2 // 2)
+    per_slot = _per_slot_sycl(*args, pre=pre)
+    return per_slot.sum(dim=1).to(x.dtype), pre
+
+
+def _fused_moe_train_torch(*args):
+    x, gate_up_proj, topk_ids, gate_up_bias = args[0], args[1], args[4], args[6]
+    gather_index, group_offsets, _ = _sort_tokens_torch(topk_ids, gate_up_proj.shape[0])
+    pre = torch_fallback.moe_gemm(x, gate_up_proj.transpose(1, 2), group_offsets, gather_index, gate_up_bias,
+                                  torch.float32)
+    return torch_fallback.fused_moe(*args), pre
+
+
+@torch.library.custom_op("moe_xpu::fused_moe_train", mutates_args=())
+def _fused_moe_train_op(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_moe for training: its output and the gate/up pre-activations its backward reads,
+    float32 [T*k, 2I], rows in expert order (the order of ``sort_tokens``), zero past the pairs
+    with an expert here. The first launch writes them and the activation runs in torch, so the
+    output can differ from ``fused_moe``'s in the last bits of the activation."""
+    args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
+    check_fused_moe_metadata(*args)
+    return run_on_backend(args, _fused_moe_train_torch, _fused_moe_train_sycl)
+
+
+@_fused_moe_train_op.register_fake
+def _fused_moe_train_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
+                          gate_up_bias=None, down_bias=None):
+    check_fused_moe_metadata(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                             activation, gate_up_bias, down_bias)
+    rows = topk_ids.shape[0] * topk_ids.shape[1]
+    return torch.empty_like(hidden_states), hidden_states.new_empty(rows, gate_up_proj.shape[1], dtype=torch.float32)
 
 
 def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
@@ -380,6 +443,7 @@ def fused_moe(
     activation: str = "silu",
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    recompute_activations: bool = False,
 ) -> torch.Tensor:
     """A whole MoE expert block, Hugging Face transformers' expert semantics.
 
@@ -393,6 +457,11 @@ def fused_moe(
     moe_gemm's b, ``quantize_experts(gate_up_proj.transpose(1, 2), fmt)`` and
     ``quantize_experts(down_proj.transpose(1, 2), fmt)`` (any float activations; each weight is
     dequantized in the kernels' k loop).
+
+    Training: differentiable in hidden_states, both weights, topk_weights and the biases. By
+    default the forward keeps the gate/up pre-activations for the backward (float32, T*k*2I
+    values); ``recompute_activations=True`` keeps only the inputs and the backward runs the first
+    GEMM again instead (one forward-sized GEMM more).
     """
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
     # Plain tensors only (never QuantizedExperts): their metadata is checked once per metadata.
@@ -404,4 +473,8 @@ def fused_moe(
         from moe_xpu import fused_quant
 
         return fused_quant.fused_moe_quantized(*args)
+    if not recompute_activations and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (hidden_states, gate_up_proj, down_proj, topk_weights, gate_up_bias, down_bias)):
+        return _fused_moe_train_op(*args)[0]
     return _fused_moe_op(*args)

@@ -50,11 +50,11 @@ def make(T, H, I, E, k, dtype, routing):
     return [x, gate_up, down, weights, gate_up_bias, down_bias], ids
 
 
-def run(inputs, ids, activation, grad_out):
+def run(inputs, ids, activation, grad_out, recompute=False):
     leaves = [t.detach().requires_grad_() for t in inputs]
     x, gate_up, down, weights, gate_up_bias, down_bias = leaves
     out = moe_xpu.fused_moe(x, gate_up, down, weights, ids, activation=activation,
-                            gate_up_bias=gate_up_bias, down_bias=down_bias)
+                            gate_up_bias=gate_up_bias, down_bias=down_bias, recompute_activations=recompute)
     return torch.autograd.grad(out, leaves, grad_out)
 
 
@@ -64,10 +64,11 @@ NAMES = ["hidden_states", "gate_up_proj", "down_proj", "topk_weights", "gate_up_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("routing", ["random", "one_expert", "sentinels"])
-def test_gradients_match_float64(dtype, activation, routing, backend):
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_gradients_match_float64(dtype, activation, routing, recompute, backend):
     inputs, ids = make(11, 40, 24, 6, 2, dtype, routing)
     grad_out = torch.randn(11, 40, dtype=dtype)
-    got = run(inputs, ids, activation, grad_out)
+    got = run(inputs, ids, activation, grad_out, recompute)
     want = reference_grads(inputs, ids, activation, grad_out)
     for name, g, w, t in zip(NAMES, got, want, inputs):
         assert g.dtype == t.dtype and g.shape == t.shape, name
@@ -95,12 +96,42 @@ def test_bitwise_identical_across_runs():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["random", "sentinels"])
+def test_saved_and_recomputed_activations_give_the_same_gradients(dtype, routing, backend):
+    # The saved pre-activations come from the launch the backward would run again, so the two
+    # memory/speed choices differ in cost only.
+    inputs, ids = make(37, 72, 40, 8, 3, dtype, routing)
+    grad_out = torch.randn(37, 72, dtype=dtype)
+    saved = run(inputs, ids, "silu", grad_out)
+    recomputed = run(inputs, ids, "silu", grad_out, recompute=True)
+    for name, a, b in zip(NAMES, saved, recomputed):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_forward_keeps_pre_activations_and_matches_inference(dtype, backend):
+    inputs, ids = make(19, 48, 24, 6, 2, dtype, "sentinels")
+    x, gate_up, down, weights, gate_up_bias, down_bias = inputs
+    out, pre = torch.ops.moe_xpu.fused_moe_train(x, gate_up, down, weights, ids, "silu", gate_up_bias, down_bias)
+    s = moe_xpu.sort_tokens(ids, 6)
+    M = int(s.group_offsets[-1])
+    want = x.double()[s.gather_index[:M]].unsqueeze(1) @ gate_up.double()[ids.reshape(-1)[s.scatter_index[:M]]].transpose(1, 2)
+    want = want.squeeze(1) + gate_up_bias.double()[ids.reshape(-1)[s.scatter_index[:M]]]
+    assert pre.dtype == torch.float32 and pre.shape == (19 * 2, 48)
+    torch.testing.assert_close(pre[:M].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert not pre[M:].any()  # pairs of experts elsewhere: zero rows
+    # The activation runs in torch here and in the kernel's epilogue for inference: last bits only.
+    inference = moe_xpu.fused_moe(x, gate_up, down, weights, ids, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    torch.testing.assert_close(out, inference, rtol=TOL[dtype] / 10, atol=TOL[dtype] / 10)
+
+
 def test_opcheck_and_compile():
     inputs, ids = make(6, 16, 8, 4, 2, torch.float32, "sentinels")
     leaves = [t.requires_grad_() for t in inputs]
     x, gate_up, down, weights, gate_up_bias, down_bias = leaves
-    torch.library.opcheck(torch.ops.moe_xpu.fused_moe.default,
-                          (x, gate_up, down, weights, ids, "gelu_tanh", gate_up_bias, down_bias))
+    for op in (torch.ops.moe_xpu.fused_moe.default, torch.ops.moe_xpu.fused_moe_train.default):
+        torch.library.opcheck(op, (x, gate_up, down, weights, ids, "gelu_tanh", gate_up_bias, down_bias))
 
     def loss(x, gate_up, down, weights):
         return (moe_xpu.fused_moe(x, gate_up, down, weights, ids) ** 2).sum()

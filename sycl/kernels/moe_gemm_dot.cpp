@@ -448,7 +448,7 @@ inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRow
   }
 }
 
-// One tile's sums with B from `from`, R chosen by the tile's valid rows.
+// One tile's sums with B read as `From` says, R chosen by the tile's valid rows.
 template <NDotB From>
 inline void n_dot_tile_sums_for(int64_t valid, float* sums, const uint16_t* const (&a_end)[kNDotRows],
                                 const uint16_t* b0, int64_t b_row_bytes, int64_t k_pairs, void* packed) {
