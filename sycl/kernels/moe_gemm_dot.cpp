@@ -382,6 +382,15 @@ alignas(64) constexpr int32_t kNDotUnpermute[32] = {0, 1, 2,  3,  16, 17, 18, 19
   MOE_XPU_NDOT_STORE(14, 15) MOE_XPU_NDOT_STORE(16, 17) MOE_XPU_NDOT_STORE(18, 19)                     \
   MOE_XPU_NDOT_STORE(20, 21) MOE_XPU_NDOT_STORE(22, 23)
 
+// The B row pair kNDotPrefetchRows rows ahead (at pp) asked for, into L2 (see there). pp is a
+// register of its own: a 14th register operand of the loop compiled without error and computed
+// garbage in the runtime's CPU compiler.
+#define MOE_XPU_NDOT_PREFETCH                             \
+  "prefetcht1 (%[pp])\n\t"                                \
+  "prefetcht1 64(%[pp])\n\t"                              \
+  "prefetcht1 (%[pp],%[rb])\n\t"                          \
+  "prefetcht1 64(%[pp],%[rb])\n\t"                        \
+  "lea (%[pp],%[rb],2), %[pp]\n\t"
 // The B row pair of a k step, interleaved into zmm24-27 (see above).
 #define MOE_XPU_NDOT_PAIRS                                \
   "vmovdqu16 (%[bp]), %%zmm28\n\t"                       \
@@ -412,7 +421,7 @@ alignas(64) constexpr int32_t kNDotUnpermute[32] = {0, 1, 2,  3,  16, 17, 18, 19
   asm volatile(                                                                                                 \
       MOE_XPU_DOT_ZERO_TILE "1:\n\t" PAIRS ROWS "lea (%[bp],%[rb],2), %[bp]\n\t" "add $256, %[pk]\n\t"     \
       "add $4, %[ko]\n\t" "jnz 1b\n\t" MOE_XPU_NDOT_STORE_TILE                                               \
-      : [ko] "+r"(ko), [bp] "+r"(b0), [pk] "+r"(packed)                                                         \
+      : [ko] "+r"(ko), [bp] "+r"(b0), [pk] "+r"(packed), [pp] "+r"(ahead)                                      \
       : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [a4] "r"(a_end[4]),   \
         [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums), [perm] "r"(kNDotUnpermute)               \
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
@@ -422,6 +431,14 @@ alignas(64) constexpr int32_t kNDotUnpermute[32] = {0, 1, 2,  3,  16, 17, 18, 19
 // Where a tile's interleaved B pairs come from: B's rows (read), B's rows with a packed copy
 // written as they are read (save), or that copy (packed).
 enum class NDotB { read, save, packed };
+
+// Tiles that read B's rows ask for them kNDotPrefetchRows rows ahead, into L2: a strip is 128
+// bytes of each row, a scattered read that the hardware prefetchers do not follow, and the out-
+// of-order window covers only a few rows of a memory latency. Into L1 (prefetcht0) it measured
+// no better: rows 4 KB apart share L1's sets, so lines fetched that far ahead evict the current
+// ones. (E = 128, 16 rows a group, K = 1536, N = 2048: 80-96 -> 62-68 ms; 32 and 64 rows ahead
+// measured the same within noise.)
+constexpr int64_t kNDotPrefetchRows = 48;
 
 // The raw accumulators of the tile's first R rows (2, 4 or 6: a group's short last row tile
 // computes no padding rows beyond the next of them) over k in [0, k_pairs * 2): A rows end at
@@ -433,18 +450,19 @@ inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRow
                             int64_t b_row_bytes, int64_t k_pairs, void* packed = nullptr) {
   static_assert(R == 2 || R == 4 || R == 6, "the assembly is written for 2, 4 and 6 rows");
   int64_t ko = -4 * k_pairs;
+  const char* ahead = reinterpret_cast<const char*>(b0) + kNDotPrefetchRows * b_row_bytes;
   if constexpr (From == NDotB::save) {
-    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_2);
-    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_4);
-    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_6);
+    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PREFETCH MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_2);
+    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PREFETCH MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_4);
+    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PREFETCH MOE_XPU_NDOT_PAIRS_SAVE, MOE_XPU_NDOT_ROWS_6);
   } else if constexpr (From == NDotB::packed) {
     if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_PACKED, MOE_XPU_NDOT_ROWS_2);
     else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_PACKED, MOE_XPU_NDOT_ROWS_4);
     else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS_PACKED, MOE_XPU_NDOT_ROWS_6);
   } else {
-    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_2);
-    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_4);
-    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_6);
+    if constexpr (R == 2) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PREFETCH MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_2);
+    else if constexpr (R == 4) MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PREFETCH MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_4);
+    else MOE_XPU_NDOT_LOOP(MOE_XPU_NDOT_PREFETCH MOE_XPU_NDOT_PAIRS, MOE_XPU_NDOT_ROWS_6);
   }
 }
 
