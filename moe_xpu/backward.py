@@ -198,8 +198,8 @@ def _fused_setup_context(ctx, inputs, output, pre: torch.Tensor | None = None) -
 
 def _slots_to_tokens(rows: torch.Tensor, positions: torch.Tensor, T: int, k: int) -> torch.Tensor:
     """[M, H] expert-ordered rows to [T, H]: each row at its (token, slot) place, then the slot
-    sum in slot order (sentinel slots stay zero)."""
-    per_slot = rows.new_zeros(T * k, rows.shape[1])
+    sum in slot order (sentinel slots stay zero; without sentinels every slot is written)."""
+    per_slot = (rows.new_empty if rows.shape[0] == T * k else rows.new_zeros)(T * k, rows.shape[1])
     per_slot[positions] = rows  # a permutation: no collisions
     return per_slot.view(T, k, rows.shape[1]).sum(1)
 
