@@ -250,8 +250,10 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_full;
             for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
             // The next column tile's B rows (the worker's next unit), as one stream at 6 lines a
-            // k step.
-            const uint16_t* next = b_col[0] + (Gated ? TN / 2 : TN) * b_stride_n;
+            // k step; gated tiles' gate rows and up rows lie apart, so the unit's row tiles take
+            // turns streaming the next gate rows and the next up rows.
+            const uint16_t* next = Gated && (m_tile - m_first) % 2 == 1 ? b_col[TN / 2] + (TN / 2) * b_stride_n
+                                                                        : b_col[0] + (Gated ? TN / 2 : TN) * b_stride_n;
             if (w.lane == 0) dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
             sycl::group_barrier(w.sg);
           }
