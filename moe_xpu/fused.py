@@ -255,17 +255,19 @@ def _fused_moe_sycl(*args, prepared: PreparedFused | None = None):
 
 def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
                    gate_up_bias, down_bias, prepared: PreparedFused | None = None,
-                   pre: torch.Tensor | None = None):
+                   pre: torch.Tensor | None = None, sorted_tokens: tuple | None = None):
     """Every (token, slot) pair's weighted expert output, float32 [T, k, H] (zeros for sentinel
     slots), before the slot sum. ``prepared``: the PreparedFused of these arguments' metadata, whose
     launches are planned here on its first call. ``pre`` (float32 [T*k, 2I], zero-filled): the
     first launch writes the gate/up pre-activations there and the activation runs in torch
-    (the training forward, which keeps them for the backward)."""
+    (the training forward, which keeps them for the backward). ``sorted_tokens``: the routing's
+    ``_sort_tokens_impl`` result where the caller already has it."""
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     k = topk_ids.shape[1]
     x = rows_contiguous(hidden_states)
-    gather_index, group_offsets, scatter_index = _sort_tokens_impl(topk_ids, E)  # ids checked (on the CPU: by the sort)
+    # ids checked (on the CPU: by the sort)
+    gather_index, group_offsets, scatter_index = sorted_tokens or _sort_tokens_impl(topk_ids, E)
     gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
     down_bias = None if down_bias is None else down_bias.contiguous()
     # Locals keep every tensor the kernels read alive until the launches are done.
@@ -357,10 +359,9 @@ def _zeroed_pre_activations(x: torch.Tensor, group_offsets: torch.Tensor, rows: 
 def _fused_moe_train_sycl(*args):
     x, gate_up_proj, topk_ids = args[0], args[1], args[4]
     T, k, (E, I2) = x.shape[0], topk_ids.shape[1], gate_up_proj.shape[:2]
-    # The sort runs again inside _per_slot_sycl: its outputs are not kept between the two.
-    offsets = _sort_tokens_impl(topk_ids, E)[1]
-    pre = _zeroed_pre_activations(x, offsets, T * k, I2 // 2)
-    per_slot = _per_slot_sycl(*args, pre=pre)
+    sorted_tokens = _sort_tokens_impl(topk_ids, E)
+    pre = _zeroed_pre_activations(x, sorted_tokens[1], T * k, I2 // 2)
+    per_slot = _per_slot_sycl(*args, pre=pre, sorted_tokens=sorted_tokens)
     return per_slot.sum(dim=1).to(x.dtype), pre
 
 
