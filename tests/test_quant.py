@@ -61,6 +61,9 @@ CASES = {
     "zero-rows": dict(counts=[0, 0, 0], K=64, N=16, tail=0),
     "many-experts": dict(counts=[1, 0, 2, 1] * 16, K=96, N=18, tail=1),
     "gathered": dict(counts=[5, 0, 9, 2], K=160, N=33, tail=0, gather=True),
+    # One-row groups with K of 9 blocks of 128: the 4-bit one-row tiles stream the next column
+    # tile's words through the unit (8 blocks per tile, and one more).
+    "decode-long-k": dict(counts=[1, 0, 1, 1, 0, 1], K=1152, N=21, tail=1),
 }
 
 

@@ -217,16 +217,27 @@ __attribute__((always_inline)) inline void packed_tables(float (&table)[TN], flo
 }
 
 // The 8 steps of each whole block of 128 k, the tables rebuilt every S steps (S * 16 k: the
-// scale block, or 128 k for blocks of 128 and more).
-template <bool Lookup, int S, int R, int TN, typename TA, typename Fmt>
+// scale block, or 128 k for blocks of 128 and more). Stream (CPU devices, one-row tiles, K of at
+// least TN blocks): each block, lane 0 asks for TN lines of the next column tile's words
+// (next_col), column blk % TN, so the tile's K blocks cover them all. One burst of the whole next
+// tile at the start of a unit (prefetch_column_tile) held the core while the line fill buffers
+// were busy: 100 ns a one-row unit with the words in the last-level cache, a fifth of its time.
+// (Not for taller tiles: the prefetch is a library call, around which their accumulators went to
+// memory, 4.6x the time at K 512.)
+template <bool Lookup, bool Stream, int S, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], const TA* const (&a_row)[R],
-                                                         const uint32_t* const (&w_col)[TN], int64_t k_blocks_end,
+                                                         const uint32_t* const (&w_col)[TN],
+                                                         const uint32_t* const (&next_col)[TN], int64_t k_blocks_end,
                                                          const sycl::sub_group& sg, int lane, float code_value,
                                                          int block_shift, const void* scale,
                                                          const int64_t (&scale_at)[TN], int64_t scale_stride_k,
                                                          const uint8_t* zero, const int64_t (&zero_at)[TN],
                                                          int64_t zero_stride_k) {
   for (int64_t kb = 0; kb < k_blocks_end; kb += kPackedK) {
+    if constexpr (Stream) {
+      const int64_t blk = kb / kPackedK;
+      if (lane == 0) syclexp::prefetch(next_col[blk % TN] + (blk / TN) * TN * kLanes, std::size_t(TN) * kLanes * 4);
+    }
     uint32_t word[TN];
     #pragma unroll
     for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + lane];
@@ -247,9 +258,10 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
 // (Written like k_lanes_tile: the arguments read into scalars first, loops without lambdas. Read
 // through the struct or captured by lambdas, the CPU compiler kept the accumulators and scales in
 // per-lane memory and gathered every access: 30x slower.)
+// Prefetch: the unit's first row tile streams the next column tile's 4-bit words (packed_blocks).
 template <int R, int TN, bool Gated, bool Lookup, typename TA, typename Fmt, typename TOut>
 __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g, int64_t m0,
-                       int64_t valid_rows, int64_t n_tile) {
+                       int64_t valid_rows, int64_t n_tile, bool prefetch) {
   constexpr bool w8a8 = std::is_same_v<TA, int8_t>;
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const TA* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
@@ -355,11 +367,23 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       // unrolled loop was compiled as divergent: every step masked, its values parked on the stack.)
       const int64_t k_blocks_end = K - K % kPackedK;
       const float code_value = Fmt::value(uint32_t(w.lane), 0.0f);
-      if (scale_block_k >= kPackedK)
-        packed_blocks<Lookup, 8, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+      const uint32_t* next_col[TN];  // the next column tile's columns (past N: the last one)
+      #pragma unroll
+      for (int j = 0; j < TN; ++j)
+        next_col[j] = static_cast<const uint32_t*>(b) +
+                      sycl::group_broadcast(w.sg, g * b_stride_e + tile_b_column<TN, Gated>(n0 + out_cols, j, N, up_offset) * b_stride_n, 0);
+      const bool stream = R == 1 && prefetch && k_blocks_end >= TN * kPackedK;
+      if (stream && scale_block_k >= kPackedK)
+        packed_blocks<Lookup, true, 8, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+      else if (stream)
+        packed_blocks<Lookup, true, 2, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+      else if (scale_block_k >= kPackedK)
+        packed_blocks<Lookup, false, 8, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
                                          scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       else
-        packed_blocks<Lookup, 2, R, TN, TA, Fmt>(acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
+        packed_blocks<Lookup, false, 2, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
                                          scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       if (k_blocks_end < K) {
         uint32_t word[TN];
@@ -402,10 +426,11 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
 // next column tile of its group, the worker's next unit but at the end of a row block (the
 // scheduler walks a row block's column tiles in order). A unit of one to a few rows reads each
 // column's 1-2 KB once: streams too short for the hardware prefetchers, so without this every unit
-// began by waiting on memory. Called before the tile's accumulators are live (the CPU device
+// began by waiting on memory (4-bit words of K >= TN blocks are streamed through the unit
+// instead: packed_blocks). Called before the tile's accumulators are live (the CPU device
 // implements prefetch as a library call; see prefetch_next_chunk in moe_gemm.cpp). Prefetches
 // never fault, so a tile past N is harmless.
-template <int TN, bool Gated, typename Fmt, typename TA, typename TOut>
+template <int TM, int TN, bool Gated, typename Fmt, typename TA, typename TOut>
 inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_t n_tile, int lane) {
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const int64_t n0 = n_tile * out_cols;
@@ -416,7 +441,8 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
     #pragma unroll
     for (int j = 0; j < TN; ++j) {
       const int64_t col = tile_b_column<TN, Gated>(n0, j, p.N, p.up_offset);
-      syclexp::prefetch(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, std::size_t(bytes));
+      if (Fmt::kBits != 4 || TM > 1 || p.K < TN * kPackedK)  // else streamed by packed_blocks
+        syclexp::prefetch(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, std::size_t(bytes));
       // Scales and zero points only where a column's run along K is contiguous (their layouts).
       const int64_t s = g * p.scale_stride_e + (col / p.scale_block_n) * p.scale_stride_n;
       if (p.scale_stride_k <= 1)
@@ -465,11 +491,11 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
   for_each_owned_unit(
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n, cost,
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
-        if constexpr (Prefetch) prefetch_column_tile<TN, Gated, Fmt>(p, g, n_tile + 1, w.lane);
+        if constexpr (Prefetch) prefetch_column_tile<TM, TN, Gated, Fmt>(p, g, n_tile + 1, w.lane);
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = tile_valid_rows(rows, m_tile, TM);
-          quant_tile<TM, TN, Gated, Lookup, TA, Fmt>(p, w, g, m0, valid, n_tile);
+          quant_tile<TM, TN, Gated, Lookup, TA, Fmt>(p, w, g, m0, valid, n_tile, Prefetch && m_tile == m_first);
         }
       });
 }
