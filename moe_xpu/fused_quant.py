@@ -41,9 +41,6 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
     x = rows_contiguous(hidden_states)
     gather_index, group_offsets, scatter_index = fused._sort_tokens_impl(topk_ids, E)
 
-    def whole_gather(args):  # slots of experts elsewhere sort past the last group
-        args.gather_matches_offsets = False
-
     # 1. h = act(x[token] @ gate) * (x[token] @ up), rows in expert order: float32, or bf16 in a
     # bf16 block whose second GEMM runs on the matrix engine (which multiplies bf16; a bf16 model's
     # own expert block rounds h so too), written at half the bytes instead of rounded in the packing.
@@ -51,7 +48,8 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
     if x.dtype == torch.bfloat16 and _on_matrix_engine(torch.bfloat16, down, group_offsets, T * k):
         h_dtype = torch.bfloat16
     h = run_quant(x, gate_up, group_offsets, None, gather_index, gate_up_bias, h_dtype,
-                  activation=fused.ACTIVATIONS[activation], up_offset=I, out_columns=I, configure=whole_gather)
+                  activation=fused.ACTIVATIONS[activation], up_offset=I, out_columns=I,
+                  gather_matches_offsets=False)  # slots of experts elsewhere sort past the last group
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     per_slot = run_quant(h, down, group_offsets, None, None, down_bias, torch.float32,

@@ -497,22 +497,46 @@ def _kernel_ready(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, 
     return a, group_offsets, a_scale, gather_index, bias
 
 
+def _metadata(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+class _PreparedQuant:
+    """A quantized launch's plan for one call metadata: the launcher's prepared launch (planned,
+    its kernel looked up), whether A is widened to float32 first, and the dtype it writes."""
+
+    __slots__ = ("launcher", "widen_a", "launch_dtype")
+
+    def __init__(self, launcher, widen_a: bool, launch_dtype: torch.dtype):
+        self.launcher, self.widen_a, self.launch_dtype = launcher, widen_a, launch_dtype
+
+
+# Kept per call metadata (see _dispatch.MetadataTable), so that a repeated call (a decode step's
+# shapes, token after token) neither builds launch arguments nor plans again: it only reads its
+# tensors' addresses.
+_QUANT_LAUNCHES = _dispatch.MetadataTable()
+
+
 def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out_dtype, *,
               activation: int = 0, up_offset: int = 0, out_columns: int | None = None,
-              scatter_index=None, row_weight=None, out_rows: int | None = None, configure=None):
+              scatter_index=None, row_weight=None, out_rows: int | None = None,
+              gather_matches_offsets: bool = True, configure=None):
     """Launches the quantized kernel (inputs checked). The fused MoE passes its epilogue: the
-    gated activation (activation, up_offset, out_columns), scatter index, row weight. Where the
-    plan asks for float32 A (``LaunchPlan.widen_a``), 16-bit A is widened once and the float32
-    output rounded to ``out_dtype`` after (the same rounding as the kernel's: the same bits)."""
+    gated activation (activation, up_offset, out_columns), scatter index, row weight, and with
+    ``gather_matches_offsets=False`` an index table longer than the groups' rows. Where the plan
+    asks for float32 A (``LaunchPlan.widen_a``), 16-bit A is widened once and the float32 output
+    rounded to ``out_dtype`` after (the same rounding as the kernel's: the same bits).
+    ``configure(args)`` (tests, tuning) edits the launcher's arguments before each launch; such a
+    call is planned afresh and not kept."""
     a, group_offsets, a_scale, gather_index, bias = _kernel_ready(a, q, group_offsets, a_scale, gather_index, bias)
     rows = out_rows if out_rows is not None else (a.shape[0] if gather_index is None else gather_index.shape[0])
     N = out_columns if out_columns is not None else q.shape[2]
 
-    def launch_args(a, out_dtype):
-        out = torch.empty(rows, N, dtype=out_dtype, device=a.device)
+    def launch_args(a, out):
         args = quant_args(a, q, group_offsets, a_scale, gather_index, bias, out)
         args.N = N
         args.activation, args.up_offset = activation, up_offset
+        args.gather_matches_offsets = gather_matches_offsets
         if scatter_index is not None:
             args.scatter_index = scatter_index.data_ptr()
             args.scatter_is_int64 = scatter_index.dtype == torch.int64
@@ -520,19 +544,43 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
             args.row_weight = row_weight.data_ptr()
         if configure is not None:
             configure(args)
-        return args, out
+        return args
 
     C = _runtime.sycl_module()
-    args, out = launch_args(a, out_dtype)
     # (Not with a scatter index: its output rows are written by several launches' epilogues.)
-    widen = a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None
-    if widen and ops.checked_launch(C.plan_gemm, args).widen_a:
-        wide_a = a.float()  # held until the launch has run: args has only its address
-        args, wide_out = launch_args(wide_a, torch.float32)
+    may_widen = a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None
+    if configure is not None:
+        out = torch.empty(rows, N, dtype=out_dtype, device=a.device)
+        args = launch_args(a, out)
+        if may_widen and ops.checked_launch(C.plan_gemm, args).widen_a:
+            wide_a = a.float()  # held until the launch has run: args has only its address
+            wide_out = torch.empty(rows, N, dtype=torch.float32, device=a.device)
+            ops.checked_launch(C.moe_gemm, launch_args(wide_a, wide_out))
+            return wide_out if out_dtype == torch.float32 else wide_out.to(out_dtype)
         ops.checked_launch(C.moe_gemm, args)
-        return wide_out if out_dtype == torch.float32 else wide_out.to(out_dtype)
-    ops.checked_launch(C.moe_gemm, args)
-    return out
+        return out
+    key = (_metadata(a), q.format, q.shape, q.block, _metadata(q.data), _metadata(q.scale), _metadata(q.zero),
+           _metadata(group_offsets), _metadata(a_scale), _metadata(gather_index), _metadata(bias), out_dtype,
+           activation, up_offset, N, _metadata(scatter_index), _metadata(row_weight), rows, gather_matches_offsets)
+    prepared = _QUANT_LAUNCHES.get(key)
+    if prepared is None:
+        args = launch_args(a, torch.empty(rows, N, dtype=out_dtype, device=a.device))
+        widen = may_widen and ops.checked_launch(C.plan_gemm, args).widen_a
+        if widen:
+            args = launch_args(a.float(), torch.empty(rows, N, dtype=torch.float32, device=a.device))
+        prepared = _QUANT_LAUNCHES.keep(key, _PreparedQuant(ops.checked_launch(C.PreparedGemm, args), widen,
+                                                            torch.float32 if widen else out_dtype))
+    if prepared.widen_a:
+        a = a.float()  # held until the launch has run: the launcher has only its address
+    out = torch.empty(rows, N, dtype=prepared.launch_dtype, device=a.device)
+    zero = q.zero if q.zero is not None else _symmetric_zero(a.device)
+    queue = 0 if a.device.type == "cpu" else _runtime.queue_address(a.device)
+    ops.launch_prepared(prepared.launcher, queue, a.data_ptr(), q.data.data_ptr(), group_offsets.data_ptr(),
+                        0 if gather_index is None else gather_index.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                        out.data_ptr(), 0 if scatter_index is None else scatter_index.data_ptr(),
+                        0 if row_weight is None else row_weight.data_ptr(), q.scale.data_ptr(), zero.data_ptr(),
+                        0 if a_scale is None else a_scale.data_ptr())
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def reference_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out_dtype):
@@ -566,11 +614,36 @@ def _moe_gemm_quant_op(
     raise NotImplementedError(f"moe_xpu.moe_gemm (quantized) has no implementation for device {a.device}")
 
 
+_CHECKED = _dispatch.MetadataTable()
+
+
+def _checked_out_dtype(a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias, format, K, N,
+                       block_n, block_k, out_dtype) -> torch.dtype:
+    """check_quant_metadata, kept per metadata: a repeated call is not checked again."""
+    checks = (a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias, format, K, N, block_n, block_k,
+              out_dtype)
+    try:
+        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+            raise TypeError
+        key = (_metadata(a), _metadata(q_data), _metadata(q_scale), _metadata(q_zero), _metadata(group_offsets),
+               _metadata(a_scale), _metadata(gather_index), _metadata(bias), format, K, N, block_n, block_k,
+               out_dtype)
+        hash(key)
+    except (AttributeError, TypeError):  # something that is not a tensor or dtype: the checks name it
+        return check_quant_metadata(*checks)
+    found = _CHECKED.get(key)
+    return found if found is not None else _CHECKED.keep(key, check_quant_metadata(*checks))
+
+
 def _quant_impl(a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias, format, K, N,
                 block_n, block_k, out_dtype=None):
-    out_dtype = check_quant_metadata(a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias,
-                                     format, K, N, block_n, block_k, out_dtype)
+    out_dtype = _checked_out_dtype(a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias,
+                                   format, K, N, block_n, block_k, out_dtype)
     q = _container(q_data, q_scale, q_zero, format, K, N, block_n, block_k)
+    return _run_checked(a, q, group_offsets, a_scale, gather_index, bias, out_dtype)
+
+
+def _run_checked(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias, out_dtype):
     if a.device.type == "xpu":
         ops._check_values_on_device(a, group_offsets, gather_index)
         if _runtime.sycl_module() is None:
@@ -614,7 +687,9 @@ def moe_gemm_quantized(a, q: QuantizedExperts, group_offsets, *, a_scale=None, g
     E, K, N = q.shape
     bn, bk = q.block
     if _dispatch.direct_call_ok(a, q.data, q.scale, q.zero, group_offsets, a_scale, gather_index, bias):
-        return _quant_impl(a, q.data, q.scale, q.zero, group_offsets, a_scale, gather_index, bias, q.format, K, N,
-                           bn, bk, out_dtype)
+        # q is checked as made: the direct call skips remaking it from its tensors (as the op does)
+        out_dtype = _checked_out_dtype(a, q.data, q.scale, q.zero, group_offsets, a_scale, gather_index, bias,
+                                       q.format, K, N, bn, bk, out_dtype)
+        return _run_checked(a, q, group_offsets, a_scale, gather_index, bias, out_dtype)
     return _moe_gemm_quant_op(a, q.data, q.scale, q.zero, group_offsets, a_scale, gather_index, bias, q.format,
                               K, N, bn, bk, out_dtype)

@@ -186,7 +186,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("plan", &moe_xpu::PreparedGemm::plan)
       .def("launch", &moe_xpu::PreparedGemm::launch, py::arg("queue"), py::arg("a"), py::arg("b"),
            py::arg("group_offsets"), py::arg("gather_index"), py::arg("bias"), py::arg("out"),
-           py::arg("scatter_index") = 0, py::arg("row_weight") = 0, py::call_guard<py::gil_scoped_release>());
+           py::arg("scatter_index") = 0, py::arg("row_weight") = 0, py::arg("b_scale") = 0, py::arg("b_zero") = 0,
+           py::arg("a_scale") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("native_cpu_launches", &moe_xpu::native_cpu_launches);
   m.def("launch_empty", &moe_xpu::launch_empty, py::arg("queue") = 0, py::arg("calling_thread") = false,
         py::call_guard<py::gil_scoped_release>());

@@ -971,7 +971,8 @@ const LaunchPlan& PreparedGemm::plan() const {
 
 void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
                           std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out,
-                          std::uintptr_t scatter_index, std::uintptr_t row_weight) const {
+                          std::uintptr_t scatter_index, std::uintptr_t row_weight, std::uintptr_t b_scale,
+                          std::uintptr_t b_zero, std::uintptr_t a_scale) const {
   GemmArgs args = args_;
   args.queue = queue;
   args.a = a;
@@ -982,6 +983,9 @@ void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t
   args.out = out;
   args.scatter_index = scatter_index;
   args.row_weight = row_weight;
+  args.b_scale = b_scale;
+  args.b_zero = b_zero;
+  args.a_scale = a_scale;
   // Another queue (another XPU stream) may be another device: plan afresh.
   if (resolved_ == nullptr || queue != args_.queue) return moe_gemm(args);
   if (queue == 0) check_host_values(args);

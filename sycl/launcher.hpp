@@ -184,10 +184,12 @@ void moe_gemm(const GemmArgs& args);
 class PreparedGemm {
  public:
   explicit PreparedGemm(const GemmArgs& args);
-  // scatter_index and row_weight: the epilogue's, where the template's launch has them (fused_moe).
+  // scatter_index and row_weight: the epilogue's, where the template's launch has them (fused_moe);
+  // b_scale, b_zero and a_scale: quantized B's scales and zero points and W8A8's row scales.
   void launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t b, std::uintptr_t group_offsets,
               std::uintptr_t gather_index, std::uintptr_t bias, std::uintptr_t out, std::uintptr_t scatter_index = 0,
-              std::uintptr_t row_weight = 0) const;
+              std::uintptr_t row_weight = 0, std::uintptr_t b_scale = 0, std::uintptr_t b_zero = 0,
+              std::uintptr_t a_scale = 0) const;
   const LaunchPlan& plan() const;
   const GemmArgs& args() const { return args_; }
 

@@ -163,6 +163,25 @@ def test_bitwise_reproducible(fmt, kw):
     assert torch.equal(first, moe_xpu.moe_gemm(a, q, go))
 
 
+@pytest.mark.parametrize("fmt,kw", [FORMATS[0], FORMATS[4], FORMATS[5]], ids=["int8", "int4-g128-zero", "mxfp4"])
+def test_repeated_metadata_reads_each_calls_tensors(fmt, kw):
+    """A call's plan is kept per metadata: a later call with the same shapes but other weights,
+    scales, zero points, activations or row scales reads its own, and its values are checked."""
+    go = offsets([3, 0, 1, 6])
+    qs = [moe_xpu.quantize_experts(torch.randn(4, 256, 24), fmt, **kw) for _ in range(2)]
+    xs = [torch.randn(10, 256) for _ in range(2)]
+    for q in qs + qs[::-1]:
+        for x in xs:
+            assert_quant_close(moe_xpu.moe_gemm(x, q, go), x, q.dequantize(), go)
+            if fmt == "int8":
+                a8, a_scale = moe_xpu.quantize_per_token(x)
+                out = moe_xpu.moe_gemm(a8, q, go, a_scale=a_scale, out_dtype=torch.float32)
+                assert_quant_close(out, a8.double() * a_scale.double()[:, None], q.dequantize(), go,
+                                   out_dtype=torch.float32)
+    with pytest.raises(moe_xpu.MoeXpuInputError, match="non-decreasing"):
+        moe_xpu.moe_gemm(xs[0], qs[0], offsets([3, 0, 1, 6]).flip(0))
+
+
 @pytest.mark.parametrize("fmt,kw", [FORMATS[0], FORMATS[3], FORMATS[5]], ids=["int8", "int4", "mxfp4"])
 def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw):
     """Groups of 3-4 rows get a 4-row tile where the CPU's tall tile is taller (its padding rows
