@@ -254,6 +254,23 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
   }
 }
 
+// packed_blocks with its table step chosen by the scale block: every 8 steps (128 k) for blocks
+// of 128 and more, else every 2.
+template <bool Lookup, bool Stream, int R, int TN, typename TA, typename Fmt, typename... Args>
+__attribute__((always_inline)) inline void packed_blocks_for(int64_t scale_block_k, Args&&... args) {
+  if (scale_block_k >= kPackedK)
+    packed_blocks<Lookup, Stream, 8, R, TN, TA, Fmt>(args...);
+  else
+    packed_blocks<Lookup, Stream, 2, R, TN, TA, Fmt>(args...);
+}
+
+// Whether a unit's tile streams the next column tile's 4-bit words through its K blocks
+// (packed_blocks) instead of prefetch_column_tile asking for them in one burst before it.
+template <int TM, int TN, typename Fmt>
+inline bool streams_next_words(int64_t K) {
+  return Fmt::kBits == 4 && TM == 1 && K >= TN * kPackedK;
+}
+
 // One R x TN tile at rows m0 .. m0 + valid_rows - 1 of group g, column tile n_tile.
 // (Written like k_lanes_tile: the arguments read into scalars first, loops without lambdas. Read
 // through the struct or captured by lambdas, the CPU compiler kept the accumulators and scales in
@@ -372,19 +389,14 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       for (int j = 0; j < TN; ++j)
         next_col[j] = static_cast<const uint32_t*>(b) +
                       sycl::group_broadcast(w.sg, g * b_stride_e + tile_b_column<TN, Gated>(n0 + out_cols, j, N, up_offset) * b_stride_n, 0);
-      const bool stream = R == 1 && prefetch && k_blocks_end >= TN * kPackedK;
-      if (stream && scale_block_k >= kPackedK)
-        packed_blocks<Lookup, true, 8, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
-                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
-      else if (stream)
-        packed_blocks<Lookup, true, 2, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
-                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
-      else if (scale_block_k >= kPackedK)
-        packed_blocks<Lookup, false, 8, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
-                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+      if (prefetch && streams_next_words<R, TN, Fmt>(K))
+        packed_blocks_for<Lookup, true, R, TN, TA, Fmt>(scale_block_k, acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane,
+                                                        code_value, block_shift, scale, scale_at, scale_stride_k, zero,
+                                                        zero_at, zero_stride_k);
       else
-        packed_blocks<Lookup, false, 2, R, TN, TA, Fmt>(acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane, code_value, block_shift, scale,
-                                         scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+        packed_blocks_for<Lookup, false, R, TN, TA, Fmt>(scale_block_k, acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane,
+                                                         code_value, block_shift, scale, scale_at, scale_stride_k, zero,
+                                                         zero_at, zero_stride_k);
       if (k_blocks_end < K) {
         uint32_t word[TN];
         #pragma unroll
@@ -441,7 +453,7 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
     #pragma unroll
     for (int j = 0; j < TN; ++j) {
       const int64_t col = tile_b_column<TN, Gated>(n0, j, p.N, p.up_offset);
-      if (Fmt::kBits != 4 || TM > 1 || p.K < TN * kPackedK)  // else streamed by packed_blocks
+      if (!streams_next_words<TM, TN, Fmt>(p.K))  // else streamed by packed_blocks
         syclexp::prefetch(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, std::size_t(bytes));
       // Scales and zero points only where a column's run along K is contiguous (their layouts).
       const int64_t s = g * p.scale_stride_e + (col / p.scale_block_n) * p.scale_stride_n;
