@@ -88,6 +88,10 @@ struct Mxfp4Weights {
 // k per packed 4-bit block: 16 lanes x 8 values.
 constexpr int64_t kPackedK = 128;
 
+// The scale block of column n: one column per block (int4, MXFP4, per-channel scales) skips the
+// 64-bit division.
+inline int64_t scale_block_of(int64_t n, int64_t block_n) { return block_n == 1 ? n : n / block_n; }
+
 // A quantized kernel's arguments, in its parameter order.
 template <typename TA, typename TOut>
 struct QuantArgs {
@@ -324,8 +328,8 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
     int64_t scale_at[TN], zero_at[TN];
     #pragma unroll
     for (int j = 0; j < TN; ++j) {
-      scale_at[j] = sycl::group_broadcast(w.sg, g * scale_stride_e + (b_n[j] / scale_block_n) * scale_stride_n, 0);
-      zero_at[j] = sycl::group_broadcast(w.sg, g * zero_stride_e + (b_n[j] / scale_block_n) * zero_stride_n, 0);
+      scale_at[j] = sycl::group_broadcast(w.sg, g * scale_stride_e + scale_block_of(b_n[j], scale_block_n) * scale_stride_n, 0);
+      zero_at[j] = sycl::group_broadcast(w.sg, g * zero_stride_e + scale_block_of(b_n[j], scale_block_n) * zero_stride_n, 0);
     }
     if constexpr (Fmt::kBits == 8) {
       const uint8_t* b_col[TN];
@@ -434,14 +438,28 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
                                  p.out_rows, p.scatter_index, p.scatter_is64, p.row_weight);
 }
 
+// Asks the memory for `runs` runs of `len` bytes, `stride` bytes apart: one request where they
+// are adjacent.
+inline void prefetch_runs(const char* at, int64_t runs, int64_t stride, int64_t len) {
+  if (runs <= 1 || stride == len) {
+    syclexp::prefetch(at, std::size_t((runs - 1) * stride + len));
+    return;
+  }
+  for (int64_t r = 0; r < runs; ++r) syclexp::prefetch(at + r * stride, std::size_t(len));
+}
+
 // While a unit computes, lane 0 asks the memory for the weight rows, scales and zero points of the
 // next column tile of its group, the worker's next unit but at the end of a row block (the
 // scheduler walks a row block's column tiles in order). A unit of one to a few rows reads each
 // column's 1-2 KB once: streams too short for the hardware prefetchers, so without this every unit
 // began by waiting on memory (4-bit words of K >= TN blocks are streamed through the unit
 // instead: packed_blocks). Called before the tile's accumulators are live (the CPU device
-// implements prefetch as a library call; see prefetch_next_chunk in moe_gemm.cpp). Prefetches
-// never fault, so a tile past N is harmless.
+// implements prefetch as a library call; see prefetch_next_chunk in moe_gemm.cpp). A tile's
+// columns (and their scale and zero-point rows) lie one after another in the checkpoint layouts,
+// so each run (gated: the gate and the up run) is one request: the CPU compiler turns every
+// request site in lane 0's branch into a call per lane of a 16-lane mask, and a request per
+// column had units of a few hundred k spend more time asking than computing. Prefetches never
+// fault, so a tile past N is harmless.
 template <int TM, int TN, bool Gated, typename Fmt, typename TA, typename TOut>
 inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_t n_tile, int lane) {
   constexpr int out_cols = Gated ? TN / 2 : TN;
@@ -450,17 +468,23 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
     const int64_t elem = Fmt::kBits == 4 ? 4 : 1;  // 4-bit B is addressed in words of eight values
     const int64_t bytes = Fmt::kBits == 4 ? (p.K + kPackedK - 1) / kPackedK * kLanes * 4 : p.K;
     const int64_t blocks = (p.K + p.scale_block_k - 1) / p.scale_block_k;
+    const int64_t cols = p.N - n0 < out_cols ? p.N - n0 : out_cols;  // the run's columns inside N
+    const bool words = !streams_next_words<TM, TN, Fmt>(p.K);  // else streamed by packed_blocks
     #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      const int64_t col = tile_b_column<TN, Gated>(n0, j, p.N, p.up_offset);
-      if (!streams_next_words<TM, TN, Fmt>(p.K))  // else streamed by packed_blocks
-        syclexp::prefetch(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, std::size_t(bytes));
+    for (int run = 0; run < (Gated ? 2 : 1); ++run) {
+      const int64_t col = n0 + (run == 1 ? p.up_offset : 0);
+      if (words)
+        prefetch_runs(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, cols,
+                      p.b_stride_n * elem, bytes);
       // Scales and zero points only where a column's run along K is contiguous (their layouts).
-      const int64_t s = g * p.scale_stride_e + (col / p.scale_block_n) * p.scale_stride_n;
+      const int64_t first = scale_block_of(col, p.scale_block_n);
+      const int64_t rows = scale_block_of(col + cols - 1, p.scale_block_n) - first + 1;
       if (p.scale_stride_k <= 1)
-        syclexp::prefetch(static_cast<const char*>(p.scale) + s * Fmt::kScaleBytes, std::size_t(blocks * Fmt::kScaleBytes));
+        prefetch_runs(static_cast<const char*>(p.scale) + (g * p.scale_stride_e + first * p.scale_stride_n) * Fmt::kScaleBytes,
+                      rows, p.scale_stride_n * Fmt::kScaleBytes, blocks * Fmt::kScaleBytes);
       if (Fmt::kBits == 4 && p.zero_stride_k == 1)
-        syclexp::prefetch(p.zero + g * p.zero_stride_e + (col / p.scale_block_n) * p.zero_stride_n, std::size_t(blocks));
+        prefetch_runs(reinterpret_cast<const char*>(p.zero) + g * p.zero_stride_e + first * p.zero_stride_n, rows,
+                      p.zero_stride_n, blocks);
     }
   }
 }
@@ -567,7 +591,7 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
           const int c = w.lane + Lanes * s;
           stores[s] = c < out_cols && (c < Rows || second_stored);
           col[s] = n0 + (stores[s] ? c : 0);
-          col_scale[s] = b_scale[g * scale_stride_e + (col[s] / scale_block_n) * scale_stride_n];
+          col_scale[s] = b_scale[g * scale_stride_e + scale_block_of(col[s], scale_block_n) * scale_stride_n];
           bias_v[s] = bias != nullptr ? bias[g * bias_stride_e + col[s]] : 0.0f;
         }
         for (int64_t t = m_first; t < m_last; t += 2) {
@@ -663,7 +687,7 @@ void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_
   int block_shift = 0;
   while ((int64_t(1) << block_shift) < scale_block_k) ++block_shift;
   auto scale_of = [&](int64_t g, int64_t n, int64_t k) {
-    return Fmt::scale(scale, g * scale_stride_e + (n / scale_block_n) * scale_stride_n + (k >> block_shift) * scale_stride_k);
+    return Fmt::scale(scale, g * scale_stride_e + scale_block_of(n, scale_block_n) * scale_stride_n + (k >> block_shift) * scale_stride_k);
   };
   for_each_engine_unit<Tile>(
       w, group_offsets, offsets_is64, num_groups, out_rows, N, out_cols, UnitCost{1, 7}, out,
@@ -680,7 +704,7 @@ void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_
                 values + (i * Rows + r) * K, b, g * b_stride_e + n * b_stride_n, K, w.lane,
                 [&](int64_t k) { return scale_of(g, n, k); },
                 [&](int64_t k) {
-                  return float(zero[g * zero_stride_e + (n / scale_block_n) * zero_stride_n +
+                  return float(zero[g * zero_stride_e + scale_block_of(n, scale_block_n) * zero_stride_n +
                                     (k >> block_shift) * zero_stride_k]);
                 });
           }
