@@ -55,7 +55,7 @@ finetune: setup
 # The full suite on the host's default CPU target, the correctness tests again under every other
 # CPU target the host can execute (tests/device_matrix.py), every kernel variant compiled for the
 # Intel GPU generations (gpu-check), the build against the other SYCL runtime generation, and the
-# suite again on torch 2.8 with IPEX (test-ipex: the IPEX integration tests run there).
+# torch-facing tests again on torch 2.8 with IPEX (test-ipex: the IPEX integration tests run there).
 test: setup
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-matrix gpu-check check-runtime-2026 test-ipex
@@ -75,9 +75,16 @@ $(VENV_IPEX)/.moe_xpu-installed: $(VENV_IPEX)/.deps $(SOURCES) $(wildcard moe_xp
 	$(PY_IPEX) -m pip install --quiet --force-reinstall --no-deps build/wheel-ipex/moe_xpu-*.whl
 	touch $@
 
+# The torch-facing tests on torch 2.8: ops, fake implementations, autograd, torch.compile, the
+# fused and quantized ops, the integrations and the bench (the kernels' numerics do not depend on
+# torch's version: the main suite and the device matrix cover them).
 # -P: moe_xpu comes from the installed wheel, not from this folder (whose _C is built for .venv).
+IPEX_TESTS = tests/ipex tests/test_bench.py tests/test_distributed.py tests/test_fused_moe.py \
+	tests/test_fused_moe_backward.py tests/test_fused_moe_quant.py tests/test_gradient_buffers.py \
+	tests/test_moe_gemm_backward.py tests/test_moe_gemm_errors.py tests/test_moe_gemm_torch_integration.py \
+	tests/test_quant.py tests/test_transformers_integration.py
 test-ipex: setup-ipex
-	$(PY_IPEX) -P -m pytest -p no:cacheprovider
+	$(PY_IPEX) -P -m pytest -p no:cacheprovider $(IPEX_TESTS)
 
 demo-ipex: setup-ipex
 	$(PY_IPEX) -P examples/ipex_swap.py
