@@ -80,9 +80,11 @@ $(VENV_IPEX)/.moe_xpu-installed: $(VENV_IPEX)/.deps $(SOURCES) $(wildcard moe_xp
 # torch's version: the main suite and the device matrix cover them).
 # -P: moe_xpu comes from the installed wheel, not from this folder (whose _C is built for .venv).
 IPEX_TESTS = tests/ipex tests/test_bench.py tests/test_distributed.py tests/test_fused_moe.py \
-	tests/test_fused_moe_backward.py tests/test_fused_moe_quant.py tests/test_gradient_buffers.py \
-	tests/test_moe_gemm_backward.py tests/test_moe_gemm_errors.py tests/test_moe_gemm_torch_integration.py \
-	tests/test_quant.py tests/test_transformers_integration.py
+	tests/test_fused_moe_backward.py tests/test_gradient_buffers.py tests/test_moe_gemm_backward.py \
+	tests/test_moe_gemm_errors.py tests/test_moe_gemm_torch_integration.py tests/test_transformers_integration.py \
+	tests/test_quant.py::test_opcheck tests/test_quant.py::test_torch_compile_fullgraph \
+	tests/test_quant.py::test_errors_name_the_argument tests/test_fused_moe_quant.py::test_errors_name_the_argument \
+	tests/test_fused_moe_quant.py::test_opcheck_and_torch_compile_fullgraph
 test-ipex: setup-ipex
 	$(PY_IPEX) -P -m pytest -p no:cacheprovider $(IPEX_TESTS)
 
