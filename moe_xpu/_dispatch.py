@@ -30,6 +30,12 @@ def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+def metadata(t):
+    """What a call's checks and plan read of one tensor argument (None stays None): the key piece of
+    a MetadataTable."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 class MetadataTable(dict):
     """What a call's metadata (shapes, strides, dtypes, devices) settles, kept per metadata so that
     a repeated call is neither re-checked nor re-planned. Past ``limit`` distinct keys the table

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from moe_xpu import _dispatch, _runtime, torch_fallback
+from moe_xpu._dispatch import metadata
 from moe_xpu.ops import (INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, checked_launch, gemm_args,
                          launch_prepared, prepare_launch, rows_contiguous)
 
@@ -225,10 +226,6 @@ class PreparedFused:
 _PREPARED = _dispatch.MetadataTable()
 
 
-def _metadata(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def prepared_fused(args: tuple) -> PreparedFused:
     """The checked metadata of fused_moe arguments (tensors, not QuantizedExperts): raises
     MoeXpuInputError for bad metadata (nothing is kept then), else returns its PreparedFused."""
@@ -236,8 +233,8 @@ def prepared_fused(args: tuple) -> PreparedFused:
     if not isinstance(activation, str):
         check_fused_moe_metadata(*args)  # raises, naming it
     try:
-        key = (_metadata(hidden_states), _metadata(gate_up_proj), _metadata(down_proj), _metadata(topk_weights),
-               _metadata(topk_ids), activation, _metadata(gate_up_bias), _metadata(down_bias))
+        key = (metadata(hidden_states), metadata(gate_up_proj), metadata(down_proj), metadata(topk_weights),
+               metadata(topk_ids), activation, metadata(gate_up_bias), metadata(down_bias))
     except AttributeError:  # something that is not a tensor: the checks name it
         check_fused_moe_metadata(*args)
         raise

@@ -246,11 +246,8 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
         check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)  # raises, naming it
     # Everything check_moe_gemm_metadata, kernel_ready and the launch plan read of the inputs.
     try:
-        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-               group_offsets.shape, group_offsets.stride(), group_offsets.dtype, group_offsets.device, out_dtype,
-               None if gather_index is None else
-               (gather_index.shape, gather_index.stride(), gather_index.dtype, gather_index.device),
-               None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
+        metadata = _dispatch.metadata
+        key = (metadata(a), metadata(b), metadata(group_offsets), out_dtype, metadata(gather_index), metadata(bias))
     except AttributeError:  # something that is not a tensor: the checks name it
         check_moe_gemm_metadata(a, b, group_offsets, gather_index, bias, out_dtype)
         raise

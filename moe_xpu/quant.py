@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from moe_xpu import _dispatch, _runtime, ops
+from moe_xpu._dispatch import metadata
 
 FORMATS = ("int8", "int4", "fp8", "mxfp4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -497,10 +498,6 @@ def _kernel_ready(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, 
     return a, group_offsets, a_scale, gather_index, bias
 
 
-def _metadata(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 class _PreparedQuant:
     """A quantized launch's plan for one call metadata: the launcher's prepared launch (planned,
     its kernel looked up), whether A is widened to float32 first, and the dtype it writes."""
@@ -526,8 +523,8 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
     ``gather_matches_offsets=False`` an index table longer than the groups' rows. Where the plan
     asks for float32 A (``LaunchPlan.widen_a``), 16-bit A is widened once and the float32 output
     rounded to ``out_dtype`` after (the same rounding as the kernel's: the same bits).
-    ``configure(args)`` (tests, tuning) edits the launcher's arguments before each launch; such a
-    call is planned afresh and not kept."""
+    ``configure(args)`` (tests, tuning) edits the launcher's arguments before they are planned;
+    such a call is planned afresh and not kept."""
     a, group_offsets, a_scale, gather_index, bias = _kernel_ready(a, q, group_offsets, a_scale, gather_index, bias)
     rows = out_rows if out_rows is not None else (a.shape[0] if gather_index is None else gather_index.shape[0])
     N = out_columns if out_columns is not None else q.shape[2]
@@ -546,30 +543,22 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
             configure(args)
         return args
 
-    C = _runtime.sycl_module()
-    # (Not with a scatter index: its output rows are written by several launches' epilogues.)
-    may_widen = a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None
-    if configure is not None:
-        out = torch.empty(rows, N, dtype=out_dtype, device=a.device)
-        args = launch_args(a, out)
-        if may_widen and ops.checked_launch(C.plan_gemm, args).widen_a:
-            wide_a = a.float()  # held until the launch has run: args has only its address
-            wide_out = torch.empty(rows, N, dtype=torch.float32, device=a.device)
-            ops.checked_launch(C.moe_gemm, launch_args(wide_a, wide_out))
-            return wide_out if out_dtype == torch.float32 else wide_out.to(out_dtype)
-        ops.checked_launch(C.moe_gemm, args)
-        return out
-    key = (_metadata(a), q.format, q.shape, q.block, _metadata(q.data), _metadata(q.scale), _metadata(q.zero),
-           _metadata(group_offsets), _metadata(a_scale), _metadata(gather_index), _metadata(bias), out_dtype,
-           activation, up_offset, N, _metadata(scatter_index), _metadata(row_weight), rows, gather_matches_offsets)
-    prepared = _QUANT_LAUNCHES.get(key)
+    key = (metadata(a), q.format, q.shape, q.block, metadata(q.data), metadata(q.scale), metadata(q.zero),
+           metadata(group_offsets), metadata(a_scale), metadata(gather_index), metadata(bias), out_dtype,
+           activation, up_offset, N, metadata(scatter_index), metadata(row_weight), rows, gather_matches_offsets)
+    prepared = _QUANT_LAUNCHES.get(key) if configure is None else None
     if prepared is None:
+        C = _runtime.sycl_module()
         args = launch_args(a, torch.empty(rows, N, dtype=out_dtype, device=a.device))
-        widen = may_widen and ops.checked_launch(C.plan_gemm, args).widen_a
+        # (Not with a scatter index: its output rows are written by several launches' epilogues.)
+        widen = (a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None
+                 and ops.checked_launch(C.plan_gemm, args).widen_a)
         if widen:
             args = launch_args(a.float(), torch.empty(rows, N, dtype=torch.float32, device=a.device))
-        prepared = _QUANT_LAUNCHES.keep(key, _PreparedQuant(ops.checked_launch(C.PreparedGemm, args), widen,
-                                                            torch.float32 if widen else out_dtype))
+        prepared = _PreparedQuant(ops.checked_launch(C.PreparedGemm, args), widen,
+                                  torch.float32 if widen else out_dtype)
+        if configure is None:
+            prepared = _QUANT_LAUNCHES.keep(key, prepared)
     if prepared.widen_a:
         a = a.float()  # held until the launch has run: the launcher has only its address
     out = torch.empty(rows, N, dtype=prepared.launch_dtype, device=a.device)
@@ -625,8 +614,8 @@ def _checked_out_dtype(a, q_data, q_scale, q_zero, group_offsets, a_scale, gathe
     try:
         if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
             raise TypeError
-        key = (_metadata(a), _metadata(q_data), _metadata(q_scale), _metadata(q_zero), _metadata(group_offsets),
-               _metadata(a_scale), _metadata(gather_index), _metadata(bias), format, K, N, block_n, block_k,
+        key = (metadata(a), metadata(q_data), metadata(q_scale), metadata(q_zero), metadata(group_offsets),
+               metadata(a_scale), metadata(gather_index), metadata(bias), format, K, N, block_n, block_k,
                out_dtype)
         hash(key)
     except (AttributeError, TypeError):  # something that is not a tensor or dtype: the checks name it
