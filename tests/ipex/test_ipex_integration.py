@@ -255,9 +255,43 @@ def _optimized(family: str, dtype: torch.dtype):
         # (trust_remote_code) that transformers' DeepseekV3 lacks (YaRN mscale, MoE ep_rank, attention
         # q_head_dim, generation inputs) and fails before any MoE step runs.
         pytest.skip("IPEX 2.8's DeepSeek-V3 path needs DeepSeek's remote-code model, not transformers' DeepseekV3")
+    return ipex.llm.optimize(_random_model(family, dtype), dtype=dtype, inplace=True, deployment_mode=False)
+
+
+def _random_model(family: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval().to(dtype)
-    return ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=False)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval().to(dtype)
+
+
+def _reference_logits(family: str, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor:
+    """The un-optimized transformers model, same weights (rounded to dtype), run in float64."""
+    with torch.no_grad():
+        return _random_model(family, dtype).double()(tokens).logits
+
+
+def _near_ties(reference_logits: torch.Tensor, tol: float) -> torch.Tensor:
+    top2 = reference_logits.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1] < 2 * tol
+
+
+def _assert_reference_would_choose(tokens, reference_logits, tol, prompt):
+    """Every generated token is the reference's greedy choice, or one of a near tie."""
+    chosen = reference_logits[:, prompt - 1:-1].argmax(-1)
+    agree = (chosen == tokens[:, prompt:]) | _near_ties(reference_logits[:, prompt - 1:-1], tol)
+    assert agree.all(), f"generated {tokens[:, prompt:].tolist()}, the reference chooses {chosen.tolist()}"
+
+
+def _assert_same_greedy_tokens(tokens, expected, reference_logits, tol):
+    """Greedy tokens equal, except that a choice the float64 reference calls a near tie (its two
+    best logits within 2 * tol, the logits' tolerance) may go either way; the rest of that
+    sequence then continues from a different token and is not compared."""
+    ties = _near_ties(reference_logits, tol)
+    for row, (ours, theirs) in enumerate(zip(tokens.tolist(), expected.tolist())):
+        differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+        if differ:
+            at = differ[0]  # logits at position at - 1 chose token at
+            assert ties[row, at - 1], (f"row {row}: token {at} is {ours[at]}, expected {theirs[at]}, "
+                                       "where the reference has no near tie")
 
 
 def _count_fused_calls(monkeypatch):
@@ -283,7 +317,7 @@ def test_optimized_model_generates_the_same_tokens(family, dtype, monkeypatch):
         with torch.no_grad():
             tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                     pad_token_id=0)
-            return tokens, model(ids, attention_mask=mask).logits
+            return tokens, model(tokens).logits
 
     ipex_tokens, ipex_logits = run()
     calls = _count_fused_calls(monkeypatch)
@@ -293,13 +327,26 @@ def test_optimized_model_generates_the_same_tokens(family, dtype, monkeypatch):
     moe_layers = sum(1 for layer in model.model.layers if layer.model_backbone and hasattr(
         getattr(layer, "block_sparse_moe", getattr(layer, "mlp", None)), "experts"))
     assert len(calls) >= 7 * moe_layers  # every MoE layer ran on moe_xpu at every step
-    assert torch.equal(tokens, ipex_tokens)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(logits.float(), ipex_logits.float(), atol=tol, rtol=tol)
     assert torch.equal(logits, logits_again)
     monkeypatch.undo()
     _, restored = run()
     assert torch.equal(restored, ipex_logits)  # IPEX's own kernels again, bit for bit
+
+    # Against the float64 reference, on the tokens moe_xpu generated (teacher forced).
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    reference = _reference_logits(family, dtype, tokens)
+    torch.testing.assert_close(logits.double(), reference, atol=tol, rtol=tol)
+    _assert_reference_would_choose(tokens, reference, tol, prompt=ids.shape[1])
+    # Against IPEX, where IPEX's own kernels agree with the reference on this CPU.
+    ipex_reference = _reference_logits(family, dtype, ipex_tokens)
+    ipex_error = (ipex_logits.double() - ipex_reference).abs().max().item()
+    if ipex_error > tol:
+        # Seen on an AVX-512 Xeon without AVX512-BF16: IPEX's bf16 TPP MoE ops (mixtral_moe_tpp,
+        # deepseek_moe_tpp) put the logits 1.6 off the reference while moe_xpu's are within 0.03.
+        pytest.skip(f"IPEX's own {dtype} logits are {ipex_error:.3g} off the float64 reference on this "
+                    f"CPU (moe_xpu's are within {tol}); nothing to compare moe_xpu's tokens with")
+    _assert_same_greedy_tokens(tokens, ipex_tokens, ipex_reference, tol)
+    torch.testing.assert_close(logits.float()[:, :7], ipex_logits.float()[:, :7], atol=tol, rtol=tol)
 
 
 def test_a_layer_moe_xpu_cannot_run_stays_on_ipex_with_one_warning(monkeypatch):
