@@ -18,18 +18,18 @@ import torch
 
 from moe_xpu import _dispatch, _runtime, fused, torch_fallback
 from moe_xpu.ops import rows_contiguous
-from moe_xpu.quant import QuantizedExperts, quant_args, run_quant
+from moe_xpu.quant import QuantizedExperts, output_columns, quant_args, run_quant
 
 
 def _containers(hidden_states, gate_up_data, gate_up_scale, gate_up_zero, gate_up_format, gate_up_block,
                 down_data, down_scale, down_zero, down_format, down_block):
     """The two QuantizedExperts from the op's flat arguments (checked as they are made)."""
     H = hidden_states.shape[1]
-    E, N1 = gate_up_data.shape[0], gate_up_data.shape[1]
+    E, N1 = gate_up_data.shape[0], output_columns(gate_up_format, gate_up_data, gate_up_scale)
     gate_up = QuantizedExperts(gate_up_format, gate_up_data, gate_up_scale, gate_up_zero, tuple(gate_up_block),
                                (E, H, N1))
     down = QuantizedExperts(down_format, down_data, down_scale, down_zero, tuple(down_block),
-                            (down_data.shape[0], N1 // 2, down_data.shape[1]))
+                            (down_data.shape[0], N1 // 2, output_columns(down_format, down_data, down_scale)))
     return gate_up, down
 
 

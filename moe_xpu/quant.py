@@ -29,6 +29,7 @@ FORMATS = ("int8", "int4", "fp8", "mxfp4")
 INT4_GROUP_SIZES = (32, 64, 128)
 MXFP4_BLOCK = 32
 PACKED_K = 128  # k per block of sixteen packed 4-bit words (the kernel's kPackedK)
+PACKED_COLS = 8  # columns whose blocks are stored interleaved (the kernel's kPackedCols)
 FP8_MAX = 448.0
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _LAUNCHER_FORMAT = {"int8": "int8", "int4": "int4", "fp8": "fp8_e4m3", "mxfp4": "mxfp4"}
@@ -42,25 +43,42 @@ def _fail(message: str) -> None:
 # 4-bit packing in the kernel's lane order
 # ---------------------------------------------------------------------------------------------
 
+def packed_words_shape(E: int, N: int, K: int) -> tuple[int, int, int]:
+    """Shape of the int32 words holding [E, N, K] 4-bit values (pack_nibbles)."""
+    return E, -(-N // PACKED_COLS), -(-K // PACKED_K) * PACKED_K
+
+
+def output_columns(format: str, data: torch.Tensor, scale: torch.Tensor) -> int:
+    """N of a container's tensors: data's rows for 8-bit formats; for 4-bit ones (whose data rows
+    are chunks of columns), the scales' rows (their scale blocks are one column wide)."""
+    return scale.shape[1] if format in ("int4", "mxfp4") else data.shape[1]
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values 0..15 [E, N, K] -> int32 words [E, N, ceil(K / 128) * 16]: for each block of 128
-    k, word l holds k = 16 r + l (r = 0..7) in bits 4r..4r+3. K must be a multiple of 16."""
+    """uint8 values 0..15 [E, N, K] -> int32 words [E, ceil(N / 8), ceil(K / 128) * 128]: for each
+    block of 128 k of a column, word l holds k = 16 r + l (r = 0..7) in bits 4r..4r+3; columns go
+    in chunks of 8 (N padded with zeros), a chunk's row holding block by block the 16 words of each
+    of its 8 columns, so a tile of adjacent columns is one sequential read. K must be a multiple of
+    16."""
     E, N, K = q.shape
-    blocks = -(-K // PACKED_K)
-    padded = torch.zeros(E, N, blocks * PACKED_K, dtype=torch.uint8, device=q.device)
-    padded[..., :K] = q
-    r = padded.view(E, N, blocks, 8, 16)  # [.., r, l]
+    _, chunks, words = packed_words_shape(E, N, K)
+    blocks = words // PACKED_K
+    padded = torch.zeros(E, chunks * PACKED_COLS, blocks * PACKED_K, dtype=torch.uint8, device=q.device)
+    padded[:, :N, :K] = q
+    r = padded.view(E, chunks, PACKED_COLS, blocks, 8, 16)  # [e, chunk, column, block, r, l]
     pairs = r[..., 0::2, :] | (r[..., 1::2, :] << 4)  # byte b of word l: r = 2b (low), 2b + 1 (high)
-    return pairs.permute(0, 1, 2, 4, 3).contiguous().view(torch.int32).reshape(E, N, blocks * 16)
+    # -> [e, chunk, block, column, l, byte]
+    return pairs.permute(0, 1, 3, 2, 5, 4).contiguous().view(torch.int32).reshape(E, chunks, words)
 
 
-def unpack_nibbles(words: torch.Tensor, K: int) -> torch.Tensor:
+def unpack_nibbles(words: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """The inverse of pack_nibbles: uint8 values [E, N, K]."""
-    E, N, W = words.shape
-    blocks = W // 16
-    b = words.contiguous().view(torch.uint8).view(E, N, blocks, 16, 4).permute(0, 1, 2, 4, 3)  # [.., b, l]
-    values = torch.stack((b & 0xF, b >> 4), dim=4)  # [.., b, low/high, l]: r = 2b + h
-    return values.reshape(E, N, blocks * PACKED_K)[..., :K]
+    E, chunks, W = words.shape
+    blocks = W // PACKED_K
+    b = words.contiguous().view(torch.uint8).view(E, chunks, blocks, PACKED_COLS, 16, 4)
+    b = b.permute(0, 1, 3, 2, 5, 4)  # [e, chunk, column, block, byte, l]
+    values = torch.stack((b & 0xF, b >> 4), dim=5)  # [.., byte, low/high, l]: r = 2 byte + h
+    return values.reshape(E, chunks * PACKED_COLS, blocks * PACKED_K)[:, :N, :K]
 
 
 def _e2m1_table(device) -> torch.Tensor:
@@ -85,8 +103,8 @@ def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
 class QuantizedExperts:
     """Quantized weights of E experts standing for float weights b [E, K, N] (``moe_gemm``'s b).
 
-    ``data``: int8 [E, N, K] (int8), float8_e4m3fn [E, N, K] (fp8), int32 [E, N, ceil(K/128)*16]
-    (int4, mxfp4: packed words). ``scale``: float32 (uint8 exponents for mxfp4)
+    ``data``: int8 [E, N, K] (int8), float8_e4m3fn [E, N, K] (fp8), int32
+    [E, ceil(N/8), ceil(K/128)*128] (int4, mxfp4: packed words, :func:`pack_nibbles`). ``scale``: float32 (uint8 exponents for mxfp4)
     [E, ceil(N / block_n), ceil(K / block_k)]. ``zero``: uint8 like ``scale`` (int4) or None.
     ``block``: (block_n, block_k), the scale block. ``shape``: (E, K, N). ``k_contiguous_source``:
     made from ``w.transpose(1, 2)`` (``dequantize`` then returns that layout again).
@@ -198,7 +216,7 @@ class QuantizedExperts:
         elif self.format == "fp8":
             values = self.data.float()
         else:
-            nibbles = unpack_nibbles(self.data, K)
+            nibbles = unpack_nibbles(self.data, N, K)
             if self.format == "mxfp4":
                 values = e2m1_to_float(nibbles)
             else:
@@ -250,9 +268,10 @@ def _check_container(q: QuantizedExperts) -> None:
             _fail(f"the {q.format} group size along K must be a power of two of at least 16, got {bk}")
         if K % bk != 0:
             _fail(f"K = {K} must be a multiple of the {q.format} group size {bk}")
-        words = -(-K // PACKED_K) * 16
-        if tuple(data.shape) != (E, N, words) or not data.is_contiguous():
-            _fail(f"{q.format} data must be contiguous packed words [E, N, {words}], got {tuple(data.shape)}")
+        shape = packed_words_shape(E, N, K)
+        if tuple(data.shape) != shape or not data.is_contiguous():
+            _fail(f"{q.format} data must be contiguous packed words [E, ceil(N / 8), ceil(K / 128) * 128] = "
+                  f"{list(shape)}, got {tuple(data.shape)}")
     elif tuple(data.shape) != (E, N, K):
         _fail(f"{q.format} data must be [E, N, K] = [{E}, {N}, {K}], got {tuple(data.shape)}")
     scale_shape = (E, -(-N // bn), -(-K // bk) if K else 1)

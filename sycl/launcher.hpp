@@ -65,7 +65,9 @@ struct GemmArgs {
   bool scatter_is_int64 = false;
   std::uintptr_t row_weight = 0;  // float32 [out_rows], indexed by destination row; 0 = none
   // Quantized B (dtype int8, int4, fp8_e4m3 or mxfp4): B's strides count bytes (int8, fp8) or
-  // 32-bit words of eight 4-bit values (int4, mxfp4; K is walked through the words' own order).
+  // 32-bit words of eight 4-bit values (int4, mxfp4: words [E][N / 8][K / 128][8][16], K walked
+  // through the words' own order, b_stride_n the stride of a chunk of 8 columns; see
+  // kernels/moe_gemm_quant.cpp).
   // Scale (float32; uint8 exponents for mxfp4) of element (g, n, k) sits at g * scale_stride_e +
   // (n / scale_block_n) * scale_stride_n + (k / scale_block_k) * scale_stride_k; its zero point
   // (uint8, read by the 4-bit formats: a single constant with strides 0 where there are none)

@@ -306,12 +306,16 @@ def test_dequantize_gives_the_shape_and_layout_it_was_made_from(fmt, kw, layout)
 
 
 def test_pack_nibbles_round_trip_and_lane_order():
-    q = torch.randint(0, 16, (2, 3, 384), dtype=torch.uint8)
+    q = torch.randint(0, 16, (2, 11, 400), dtype=torch.uint8)  # N and K no multiple of a chunk or block
     words = quant.pack_nibbles(q)
-    assert words.shape == (2, 3, 48) and words.dtype == torch.int32
-    assert torch.equal(quant.unpack_nibbles(words, 384), q)
-    w = int(words[1, 2, 16 + 5]) & 0xFFFFFFFF  # block 1, lane 5
-    assert [(w >> (4 * r)) & 15 for r in range(8)] == [int(q[1, 2, 128 + 16 * r + 5]) for r in range(8)]
+    assert words.shape == (2, 2, 512) and words.dtype == torch.int32
+    assert torch.equal(quant.unpack_nibbles(words, 11, 400), q)
+    # column 10 = chunk 1, column 2 of it; block 1 of its K; lane 5
+    w = int(words[1, 1, 128 + 2 * 16 + 5]) & 0xFFFFFFFF
+    assert [(w >> (4 * r)) & 15 for r in range(8)] == [int(q[1, 10, 128 + 16 * r + 5]) for r in range(8)]
+    w = int(words[0, 1, 3 * 128 + 2 * 16 + 5]) & 0xFFFFFFFF  # block 3: k 384..399 real, the rest zeros
+    assert [(w >> (4 * r)) & 15 for r in range(8)] == [int(q[0, 10, 384 + 5])] + [0] * 7
+    assert (words[:, 1, :].view(torch.uint8).view(2, 4, 8, 16, 4)[:, :, 3:] == 0).all()  # columns 11..15: padding
 
 
 def test_mxfp4_from_gpt_oss_checkpoint_layout():

@@ -16,7 +16,11 @@
 // 4-bit values are packed along K in words of eight, in the lane order of the kernel: for each
 // block of 128 k, word l (l = 0..15) holds the values of k = 16 r + l, r = 0..7, value r in bits
 // 4r..4r+3. A lane then reads one 32-bit word per 128 k and column, and a sub-group's 16 words
-// are one contiguous 64-byte load.
+// are one contiguous 64-byte load. Columns are stored in chunks of kPackedCols: chunk c holds,
+// block by block, the 16 words of each of its columns (words [E][N / 8][K / 128][8][16]; the
+// launcher's b_stride_n is the chunk's stride), so a tile of adjacent columns reads its weights as
+// one sequential stream, which the hardware prefetchers follow, where a column's words apart were
+// as many short streams as the tile has columns.
 // Scales (and zero points) are indexed by (n / scale_block_n, k / scale_block_k) through their
 // own strides: per output channel (block_n 1, block_k >= K), group-wise along K (block_n 1,
 // block_k 32, 64 or 128), DeepSeek-V3's 128 x 128 blocks, MXFP4's blocks of 32. scale_block_k is
@@ -87,6 +91,14 @@ struct Mxfp4Weights {
 
 // k per packed 4-bit block: 16 lanes x 8 values.
 constexpr int64_t kPackedK = 128;
+constexpr int64_t kPackedCols = 8;
+constexpr int64_t kPackedBlockWords = kPackedCols * kLanes;  // a chunk's words per block of 128 k
+
+// Word offset of 4-bit column n's first block in expert g (see the file's head); its block kb
+// follows at + (kb / kPackedK) * kPackedBlockWords.
+inline int64_t packed_column(int64_t g, int64_t n, int64_t b_stride_e, int64_t b_stride_chunk) {
+  return g * b_stride_e + (n / kPackedCols) * b_stride_chunk + (n % kPackedCols) * kLanes;
+}
 
 // The scale block of column n: one column per block (int4, MXFP4, per-channel scales) skips the
 // 64-bit division.
@@ -221,30 +233,19 @@ __attribute__((always_inline)) inline void packed_tables(float (&table)[TN], flo
 }
 
 // The 8 steps of each whole block of 128 k, the tables rebuilt every S steps (S * 16 k: the
-// scale block, or 128 k for blocks of 128 and more). Stream (CPU devices, one-row tiles, K of at
-// least TN blocks): each block, lane 0 asks for TN lines of the next column tile's words
-// (next_col), column blk % TN, so the tile's K blocks cover them all. One burst of the whole next
-// tile at the start of a unit (prefetch_column_tile) held the core while the line fill buffers
-// were busy: 100 ns a one-row unit with the words in the last-level cache, a fifth of its time.
-// (Not for taller tiles: the prefetch is a library call, around which their accumulators went to
-// memory, 4.6x the time at K 512.)
-template <bool Lookup, bool Stream, int S, int R, int TN, typename TA, typename Fmt>
+// scale block, or 128 k for blocks of 128 and more).
+template <bool Lookup, int S, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], const TA* const (&a_row)[R],
-                                                         const uint32_t* const (&w_col)[TN],
-                                                         const uint32_t* const (&next_col)[TN], int64_t k_blocks_end,
+                                                         const uint32_t* const (&w_col)[TN], int64_t k_blocks_end,
                                                          const sycl::sub_group& sg, int lane, float code_value,
                                                          int block_shift, const void* scale,
                                                          const int64_t (&scale_at)[TN], int64_t scale_stride_k,
                                                          const uint8_t* zero, const int64_t (&zero_at)[TN],
                                                          int64_t zero_stride_k) {
   for (int64_t kb = 0; kb < k_blocks_end; kb += kPackedK) {
-    if constexpr (Stream) {
-      const int64_t blk = kb / kPackedK;
-      if (lane == 0) syclexp::prefetch(next_col[blk % TN] + (blk / TN) * TN * kLanes, std::size_t(TN) * kLanes * 4);
-    }
     uint32_t word[TN];
     #pragma unroll
-    for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kLanes + lane];
+    for (int j = 0; j < TN; ++j) word[j] = w_col[j][(kb / kPackedK) * kPackedBlockWords + lane];
     float table[TN], zero_of[TN];
     // (The table step written as a loop of its own rather than `if (r % S == 0)` in the step loop,
     // which the CPU compiler treated as divergent.)
@@ -260,29 +261,21 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
 
 // packed_blocks with its table step chosen by the scale block: every 8 steps (128 k) for blocks
 // of 128 and more, else every 2.
-template <bool Lookup, bool Stream, int R, int TN, typename TA, typename Fmt, typename... Args>
+template <bool Lookup, int R, int TN, typename TA, typename Fmt, typename... Args>
 __attribute__((always_inline)) inline void packed_blocks_for(int64_t scale_block_k, Args&&... args) {
   if (scale_block_k >= kPackedK)
-    packed_blocks<Lookup, Stream, 8, R, TN, TA, Fmt>(args...);
+    packed_blocks<Lookup, 8, R, TN, TA, Fmt>(args...);
   else
-    packed_blocks<Lookup, Stream, 2, R, TN, TA, Fmt>(args...);
-}
-
-// Whether a unit's tile streams the next column tile's 4-bit words through its K blocks
-// (packed_blocks) instead of prefetch_column_tile asking for them in one burst before it.
-template <int TM, int TN, typename Fmt>
-inline bool streams_next_words(int64_t K) {
-  return Fmt::kBits == 4 && TM == 1 && K >= TN * kPackedK;
+    packed_blocks<Lookup, 2, R, TN, TA, Fmt>(args...);
 }
 
 // One R x TN tile at rows m0 .. m0 + valid_rows - 1 of group g, column tile n_tile.
 // (Written like k_lanes_tile: the arguments read into scalars first, loops without lambdas. Read
 // through the struct or captured by lambdas, the CPU compiler kept the accumulators and scales in
 // per-lane memory and gathered every access: 30x slower.)
-// Prefetch: the unit's first row tile streams the next column tile's 4-bit words (packed_blocks).
 template <int R, int TN, bool Gated, bool Lookup, typename TA, typename Fmt, typename TOut>
 __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>& p, const Worker& w, int64_t g, int64_t m0,
-                       int64_t valid_rows, int64_t n_tile, bool prefetch) {
+                       int64_t valid_rows, int64_t n_tile) {
   constexpr bool w8a8 = std::is_same_v<TA, int8_t>;
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const TA* a = p.a; const int64_t a_row_stride = p.a_row_stride, a_rows = p.a_rows;
@@ -382,29 +375,18 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       const uint32_t* w_col[TN];
       #pragma unroll
       for (int j = 0; j < TN; ++j)
-        w_col[j] = static_cast<const uint32_t*>(b) + sycl::group_broadcast(w.sg, g * b_stride_e + b_n[j] * b_stride_n, 0);
+        w_col[j] = static_cast<const uint32_t*>(b) + sycl::group_broadcast(w.sg, packed_column(g, b_n[j], b_stride_e, b_stride_n), 0);
       // Whole blocks of 128 k run their 8 steps unconditionally; a last short block (K a multiple
       // of a smaller scale block) runs its steps in a loop of its own. (An `if (r < steps)` in the
       // unrolled loop was compiled as divergent: every step masked, its values parked on the stack.)
       const int64_t k_blocks_end = K - K % kPackedK;
       const float code_value = Fmt::value(uint32_t(w.lane), 0.0f);
-      const uint32_t* next_col[TN];  // the next column tile's columns (past N: the last one)
-      #pragma unroll
-      for (int j = 0; j < TN; ++j)
-        next_col[j] = static_cast<const uint32_t*>(b) +
-                      sycl::group_broadcast(w.sg, g * b_stride_e + tile_b_column<TN, Gated>(n0 + out_cols, j, N, up_offset) * b_stride_n, 0);
-      if (prefetch && streams_next_words<R, TN, Fmt>(K))
-        packed_blocks_for<Lookup, true, R, TN, TA, Fmt>(scale_block_k, acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane,
-                                                        code_value, block_shift, scale, scale_at, scale_stride_k, zero,
-                                                        zero_at, zero_stride_k);
-      else
-        packed_blocks_for<Lookup, false, R, TN, TA, Fmt>(scale_block_k, acc, a_row, w_col, next_col, k_blocks_end, w.sg, w.lane,
-                                                         code_value, block_shift, scale, scale_at, scale_stride_k, zero,
-                                                         zero_at, zero_stride_k);
+      packed_blocks_for<Lookup, R, TN, TA, Fmt>(scale_block_k, acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value,
+                                                block_shift, scale, scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
       if (k_blocks_end < K) {
         uint32_t word[TN];
         #pragma unroll
-        for (int j = 0; j < TN; ++j) word[j] = w_col[j][(k_blocks_end / kPackedK) * kLanes + w.lane];
+        for (int j = 0; j < TN; ++j) word[j] = w_col[j][(k_blocks_end / kPackedK) * kPackedBlockWords + w.lane];
         const int steps = int((K - k_blocks_end) / kLanes);
         for (int r = 0; r < steps; ++r) {
           const int64_t k0 = k_blocks_end + int64_t(kLanes) * r;
@@ -452,8 +434,7 @@ inline void prefetch_runs(const char* at, int64_t runs, int64_t stride, int64_t 
 // next column tile of its group, the worker's next unit but at the end of a row block (the
 // scheduler walks a row block's column tiles in order). A unit of one to a few rows reads each
 // column's 1-2 KB once: streams too short for the hardware prefetchers, so without this every unit
-// began by waiting on memory (4-bit words of K >= TN blocks are streamed through the unit
-// instead: packed_blocks). Called before the tile's accumulators are live (the CPU device
+// began by waiting on memory. Called before the tile's accumulators are live (the CPU device
 // implements prefetch as a library call; see prefetch_next_chunk in moe_gemm.cpp). A tile's
 // columns (and their scale and zero-point rows) lie one after another in the checkpoint layouts,
 // so each run (gated: the gate and the up run) is one request: the CPU compiler turns every
@@ -465,17 +446,16 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
   constexpr int out_cols = Gated ? TN / 2 : TN;
   const int64_t n0 = n_tile * out_cols;
   if (lane == 0 && g < p.num_groups && n0 < p.N && (Fmt::kBits == 4 || p.b_stride_k == 1)) {
-    const int64_t elem = Fmt::kBits == 4 ? 4 : 1;  // 4-bit B is addressed in words of eight values
-    const int64_t bytes = Fmt::kBits == 4 ? (p.K + kPackedK - 1) / kPackedK * kLanes * 4 : p.K;
     const int64_t blocks = (p.K + p.scale_block_k - 1) / p.scale_block_k;
     const int64_t cols = p.N - n0 < out_cols ? p.N - n0 : out_cols;  // the run's columns inside N
-    const bool words = !streams_next_words<TM, TN, Fmt>(p.K);  // else streamed by packed_blocks
     #pragma unroll
     for (int run = 0; run < (Gated ? 2 : 1); ++run) {
       const int64_t col = n0 + (run == 1 ? p.up_offset : 0);
-      if (words)
-        prefetch_runs(static_cast<const char*>(p.b) + (g * p.b_stride_e + col * p.b_stride_n) * elem, cols,
-                      p.b_stride_n * elem, bytes);
+      // 4-bit words are not asked for: a tile's chunk is one sequential stream, which the hardware
+      // prefetchers follow, and a request for a whole next tile held the line fill buffers, the
+      // core waiting on them.
+      if constexpr (Fmt::kBits == 8)
+        prefetch_runs(static_cast<const char*>(p.b) + g * p.b_stride_e + col * p.b_stride_n, cols, p.b_stride_n, p.K);
       // Scales and zero points only where a column's run along K is contiguous (their layouts).
       const int64_t first = scale_block_of(col, p.scale_block_n);
       const int64_t rows = scale_block_of(col + cols - 1, p.scale_block_n) - first + 1;
@@ -492,8 +472,8 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
 // Lookup: the device's 16 lanes are one vector register (GPUs, AVX-512 CPUs; nibble_lookup in
 // variants.cpp): 4-bit values are decoded by a sub-group table lookup (packed_step) and W8A8
 // one-row tiles stream their columns one after another (int8_column_streams); both give the
-// same bits as the other way. Prefetch (CPU devices): each unit fetches the next one's weights
-// (prefetch_column_tile).
+// same bits as the other way. Prefetch (CPU devices): each unit asks for the next one's scales
+// (and 8-bit weights; prefetch_column_tile).
 // The 16 lanes split K (as moe_gemm_k_lanes does); each lane keeps TM x TN partial sums of a row
 // tile, reduced across the sub-group once per tile. Units are one column tile of one group over
 // up to kUnitRows rows, owned by the persistent workers through the shared scheduler. A group's
@@ -531,7 +511,7 @@ void moe_gemm_quant(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = tile_valid_rows(rows, m_tile, TM);
-          quant_tile<TM, TN, Gated, Lookup, TA, Fmt>(p, w, g, m0, valid, n_tile, Prefetch && m_tile == m_first);
+          quant_tile<TM, TN, Gated, Lookup, TA, Fmt>(p, w, g, m0, valid, n_tile);
         }
       });
 }
@@ -634,7 +614,8 @@ void moe_gemm_quant_matrix(const int8_t* a, int64_t a_row_stride, int64_t a_rows
 template <typename Fmt>
 constexpr bool kFoldedScales = std::is_same_v<Fmt, Mxfp4Weights>;
 
-// One weight row (K values at b + row: bytes for 8-bit formats, words for 4-bit) dequantized to
+// One weight row (K values at b + row: bytes for 8-bit formats; for 4-bit, the words of its first
+// block, packed_column) dequantized to
 // bf16 bits in dst, exactly: the values without their scale (int8, fp8 and int4's integers less the
 // zero point zero_at(k) are exact in bf16), MXFP4's power-of-two scale folded_scale(k) folded in
 // (exact above 2^-126). Uniform loops over whole sub-group steps (K is whole engine steps): per-lane
@@ -650,7 +631,7 @@ __attribute__((always_inline)) inline void dequantize_row_bf16(uint16_t* dst, co
     // Word l of each 128-k block holds k = 16 s + l, s = 0..7 (see the file's head).
     const uint32_t* words = static_cast<const uint32_t*>(b) + row;
     for (int64_t kb = 0; kb < K; kb += kPackedK) {
-      const uint32_t word = words[(kb / kPackedK) * kLanes + lane];
+      const uint32_t word = words[(kb / kPackedK) * kPackedBlockWords + lane];
       const int steps = K - kb < kPackedK ? int((K - kb) / kLanes) : 8;
       for (int step = 0; step < steps; ++step) {
         const int64_t k0 = kb + int64_t(kLanes) * step;
@@ -701,7 +682,8 @@ void moe_gemm_dequant_matrix(const uint16_t* a, int64_t a_row_stride, int64_t a_
           for (int r = 0; r < Rows; ++r) {
             const int64_t n = n_tile[i] + r;
             dequantize_row_bf16<Fmt, Lanes>(
-                values + (i * Rows + r) * K, b, g * b_stride_e + n * b_stride_n, K, w.lane,
+                values + (i * Rows + r) * K, b,
+                Fmt::kBits == 4 ? packed_column(g, n, b_stride_e, b_stride_n) : g * b_stride_e + n * b_stride_n, K, w.lane,
                 [&](int64_t k) { return scale_of(g, n, k); },
                 [&](int64_t k) {
                   return float(zero[g * zero_stride_e + scale_block_of(n, scale_block_n) * zero_stride_n +
