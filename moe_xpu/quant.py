@@ -627,20 +627,16 @@ _CHECKED = _dispatch.MetadataTable()
 
 def _checked_out_dtype(a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias, format, K, N,
                        block_n, block_k, out_dtype) -> torch.dtype:
-    """check_quant_metadata, kept per metadata: a repeated call is not checked again."""
-    checks = (a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias, format, K, N, block_n, block_k,
-              out_dtype)
-    try:
-        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
-            raise TypeError
-        key = (metadata(a), metadata(q_data), metadata(q_scale), metadata(q_zero), metadata(group_offsets),
-               metadata(a_scale), metadata(gather_index), metadata(bias), format, K, N, block_n, block_k,
-               out_dtype)
-        hash(key)
-    except (AttributeError, TypeError):  # something that is not a tensor or dtype: the checks name it
-        return check_quant_metadata(*checks)
+    """check_quant_metadata, kept per metadata: a repeated call is not checked again. Arguments of
+    other types than the checks take are not kept (the checks then name them)."""
+    tensors = (a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias)
+    settings = (format, K, N, block_n, block_k, out_dtype)
+    if not (all(t is None or isinstance(t, torch.Tensor) for t in tensors)
+            and all(v is None or isinstance(v, (str, int, torch.dtype)) for v in settings)):
+        return check_quant_metadata(*tensors, *settings)
+    key = tuple(metadata(t) for t in tensors) + settings
     found = _CHECKED.get(key)
-    return found if found is not None else _CHECKED.keep(key, check_quant_metadata(*checks))
+    return found if found is not None else _CHECKED.keep(key, check_quant_metadata(*tensors, *settings))
 
 
 def _quant_impl(a, q_data, q_scale, q_zero, group_offsets, a_scale, gather_index, bias, format, K, N,
