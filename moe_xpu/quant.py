@@ -30,6 +30,7 @@ INT4_GROUP_SIZES = (32, 64, 128)
 MXFP4_BLOCK = 32
 PACKED_K = 128  # k per block of sixteen packed 4-bit words (the kernel's kPackedK)
 PACKED_COLS = 8  # columns whose blocks are stored interleaved (the kernel's kPackedCols)
+PACKED_FORMATS = ("int4", "mxfp4")  # 4-bit values in packed words (pack_nibbles)
 FP8_MAX = 448.0
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _LAUNCHER_FORMAT = {"int8": "int8", "int4": "int4", "fp8": "fp8_e4m3", "mxfp4": "mxfp4"}
@@ -51,7 +52,7 @@ def packed_words_shape(E: int, N: int, K: int) -> tuple[int, int, int]:
 def output_columns(format: str, data: torch.Tensor, scale: torch.Tensor) -> int:
     """N of a container's tensors: data's rows for 8-bit formats; for 4-bit ones (whose data rows
     are chunks of columns), the scales' rows (their scale blocks are one column wide)."""
-    return scale.shape[1] if format in ("int4", "mxfp4") else data.shape[1]
+    return scale.shape[1] if format in PACKED_FORMATS else data.shape[1]
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -104,8 +105,8 @@ class QuantizedExperts:
     """Quantized weights of E experts standing for float weights b [E, K, N] (``moe_gemm``'s b).
 
     ``data``: int8 [E, N, K] (int8), float8_e4m3fn [E, N, K] (fp8), int32
-    [E, ceil(N/8), ceil(K/128)*128] (int4, mxfp4: packed words, :func:`pack_nibbles`). ``scale``: float32 (uint8 exponents for mxfp4)
-    [E, ceil(N / block_n), ceil(K / block_k)]. ``zero``: uint8 like ``scale`` (int4) or None.
+    [E, ceil(N/8), ceil(K/128)*128] (int4, mxfp4: packed words, :func:`pack_nibbles`).
+    ``scale``: float32 (uint8 exponents for mxfp4) [E, ceil(N / block_n), ceil(K / block_k)]. ``zero``: uint8 like ``scale`` (int4) or None.
     ``block``: (block_n, block_k), the scale block. ``shape``: (E, K, N). ``k_contiguous_source``:
     made from ``w.transpose(1, 2)`` (``dequantize`` then returns that layout again).
 
@@ -263,7 +264,7 @@ def _check_container(q: QuantizedExperts) -> None:
         _fail(f"{q.format} data must be {expected_data}, got {data.dtype}")
     if q.format == "int8" and bk < K:
         _fail(f"int8 scales are per output channel (block_k >= K = {K}), got blocks of {bk} along K")
-    if q.format in ("int4", "mxfp4"):
+    if q.format in PACKED_FORMATS:
         if bk < 16 or bk & (bk - 1):
             _fail(f"the {q.format} group size along K must be a power of two of at least 16, got {bk}")
         if K % bk != 0:

@@ -615,8 +615,7 @@ template <typename Fmt>
 constexpr bool kFoldedScales = std::is_same_v<Fmt, Mxfp4Weights>;
 
 // One weight row (K values at b + row: bytes for 8-bit formats; for 4-bit, the words of its first
-// block, packed_column) dequantized to
-// bf16 bits in dst, exactly: the values without their scale (int8, fp8 and int4's integers less the
+// block, packed_column) dequantized to bf16 bits in dst, exactly: the values without their scale (int8, fp8 and int4's integers less the
 // zero point zero_at(k) are exact in bf16), MXFP4's power-of-two scale folded_scale(k) folded in
 // (exact above 2^-126). Uniform loops over whole sub-group steps (K is whole engine steps): per-lane
 // bounds made every load and store masked.
