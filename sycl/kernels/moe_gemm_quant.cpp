@@ -161,9 +161,8 @@ constexpr int64_t kBytesAhead = 512;
 // The whole 16-k steps of 8-bit B read with unit stride along K, from k_begin to k_whole; values
 // times their block's scale when Scaled. Prefetch: every 1024 / TN k, lane l asks for line l / TN
 // of column l % TN's next 16 / TN lines kBytesAhead ahead, so the memory streams the tile's TN
-// columns while it computes. This replaced a request for the whole next tile at each unit's start,
-// a burst that held the line fill buffers: weight-only int8 decode (32 one-row experts, K 2048,
-// N 1536, cold cache, 2-core Cascade Lake VM) 7.4-7.7 -> 6.8 ms, fp8 15-16 -> 13-15 ms.
+// columns while it computes (a request for the whole next tile at each unit's start, a burst that
+// held the line fill buffers, was slower; see docs/performance_targets.md).
 template <bool Scaled, bool Prefetch, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN], const TA* const (&a_row)[R],
                                                       const uint8_t* const (&b_col)[TN], int64_t k_begin,
@@ -258,13 +257,11 @@ __attribute__((always_inline)) inline void packed_tables(float (&table)[TN], flo
 // the hardware prefetchers, which stop at each 4 KB boundary, start late.
 constexpr int64_t kWordsAheadBlocks = 8;
 
-
 // The 8 steps of each whole block of 128 k, the tables rebuilt every S steps (S * 16 k: the
 // scale block, or 128 k for blocks of 128 and more). Streams (CPU devices): the tile's word
 // streams (gated tiles read two chunks, the gate's and the up columns') requested
-// kWordsAheadBlocks ahead, block by block. A one-row tile computes a block about as fast as the
-// memory delivers it, and the hardware prefetchers alone did not keep ahead: int4 decode (32
-// one-row experts, K 2048, N 1536, cold cache, 2-core Cascade Lake VM) 5.3-5.5 -> 4.3-4.4 ms.
+// kWordsAheadBlocks ahead, block by block: a one-row tile computes a block about as fast as the
+// memory delivers it, and the hardware prefetchers alone did not keep ahead.
 template <bool Lookup, int S, int Streams, int R, int TN, typename TA, typename Fmt>
 __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], const TA* const (&a_row)[R],
                                                          const uint32_t* const (&w_col)[TN], int64_t k_blocks_end,
@@ -469,7 +466,7 @@ inline void prefetch_runs(const char* at, int64_t runs, int64_t stride, int64_t 
 
 // While a unit computes, lane 0 asks the memory for the scales and zero points of the next column
 // tile of its group, the worker's next unit but at the end of a row block (the scheduler walks a
-// row block's column tiles in order): a column's few dozen bytes of them are too short a stream
+// row block's column tiles in order): a column has a few dozen bytes of them, too short a stream
 // for the hardware prefetchers. (The weights themselves are requested inside the k loops, a few
 // lines at a time: see byte_steps and packed_blocks. Asked for here, a whole next tile at once,
 // the burst held the line fill buffers and the core waited on them.) Called before the tile's
