@@ -106,7 +106,8 @@ class QuantizedExperts:
 
     ``data``: int8 [E, N, K] (int8), float8_e4m3fn [E, N, K] (fp8), int32
     [E, ceil(N/8), ceil(K/128)*128] (int4, mxfp4: packed words, :func:`pack_nibbles`).
-    ``scale``: float32 (uint8 exponents for mxfp4) [E, ceil(N / block_n), ceil(K / block_k)]. ``zero``: uint8 like ``scale`` (int4) or None.
+    ``scale``: float32 (uint8 exponents for mxfp4) [E, ceil(N / block_n), ceil(K / block_k)].
+    ``zero``: uint8 like ``scale`` (int4) or None.
     ``block``: (block_n, block_k), the scale block. ``shape``: (E, K, N). ``k_contiguous_source``:
     made from ``w.transpose(1, 2)`` (``dequantize`` then returns that layout again).
 
