@@ -24,7 +24,9 @@ def _resolve_out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.
         return a.dtype
     if out_dtype == torch.float32:
         return out_dtype
-    _fail(f"out_dtype must be None, {a.dtype} (a.dtype) or torch.float32, got {out_dtype}")
+    allowed = ("None or torch.float32 (a.dtype)" if a.dtype == torch.float32
+               else f"None, {a.dtype} (a.dtype) or torch.float32")
+    _fail(f"out_dtype must be {allowed}, got {out_dtype}")
     raise AssertionError  # unreachable
 
 
