@@ -168,10 +168,13 @@ __attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN]
                                                       const uint8_t* const (&b_col)[TN], int64_t k_begin,
                                                       int64_t k_whole, int lane, const float (&sc)[TN]) {
   constexpr int64_t period = 1024 / TN;  // k a request covers: 16 / TN lines of each column
-  const uint8_t* mine = b_col[0];        // this lane's column
-  #pragma unroll
-  for (int j = 1; j < TN; ++j) mine = lane % TN == j ? b_col[j] : mine;
-  mine += kBytesAhead + (lane / TN) * 64;
+  const uint8_t* mine = nullptr;         // this lane's line of its column, kBytesAhead on
+  if constexpr (Prefetch) {
+    mine = b_col[0];
+    #pragma unroll
+    for (int j = 1; j < TN; ++j) mine = lane % TN == j ? b_col[j] : mine;
+    mine += kBytesAhead + (lane / TN) * 64;
+  }
   for (int64_t k0 = k_begin; k0 < k_whole; k0 += kLanes) {
     if constexpr (Prefetch)
       if (((k0 - k_begin) & (period - 1)) == 0) request_line(mine + k0);
