@@ -57,10 +57,30 @@ inline float e2m1_to_float(uint32_t x) {
   return sycl::bit_cast<float>(sycl::bit_cast<uint32_t>(v) ^ ((x & 8u) << 28));
 }
 
-inline float e8m0_to_float(uint32_t s) {  // 2^(s - 127); 255 is NaN
-  const uint32_t bits = s == 0u ? 0x00400000u : s == 255u ? 0x7fc00000u : s << 23;
-  return sycl::bit_cast<float>(bits);
+// Byte-indexed constant tables for the scales and zero points read once per column and block: a
+// uniform byte's conversion is then one load, where the CPU compiler computed it in vector
+// registers after a broadcast (zero points) or in per-column branches (e8m0's special codes).
+struct ByteTable {
+  uint32_t bits[256];
+};
+constexpr ByteTable e8m0_table() {  // 2^(s - 127); 255 is NaN
+  ByteTable t{};
+  for (uint32_t s = 0; s < 256; ++s) t.bits[s] = s == 0u ? 0x00400000u : s == 255u ? 0x7fc00000u : s << 23;
+  return t;
 }
+constexpr ByteTable byte_float_table() {  // float(s), its bits: s = m * 2^e, m in [1, 2)
+  ByteTable t{};
+  for (uint32_t s = 1; s < 256; ++s) {
+    uint32_t e = 0;
+    while ((s >> (e + 1)) != 0u) ++e;
+    t.bits[s] = ((127u + e) << 23) | ((s << (23 - e)) & 0x7fffffu);
+  }
+  return t;
+}
+inline constexpr ByteTable kE8m0Bits = e8m0_table();
+inline constexpr ByteTable kByteFloatBits = byte_float_table();
+inline float e8m0_to_float(uint32_t s) { return sycl::bit_cast<float>(kE8m0Bits.bits[s & 0xffu]); }
+inline float byte_to_float(uint32_t s) { return sycl::bit_cast<float>(kByteFloatBits.bits[s & 0xffu]); }
 
 struct Int8Weights {
   static constexpr int kScaleBytes = 4;  // float32
@@ -234,17 +254,21 @@ __attribute__((always_inline)) inline void packed_step(float (&acc)[R][TN], cons
 
 // Each column's decode state for the scale block of k. Lookup: table[j] is lane l's entry, code l
 // dequantized (code_value: Fmt::value of code l without zero point, computed once); otherwise
-// table[j] is the block's scale and zero[j] its zero point.
-template <bool Lookup, int TN, typename Fmt>
+// table[j] is the block's scale and zero[j] its zero point. OneZero: every zero point of the
+// launch is one_zero (symmetric int4's constant 8): not read per column and block, and
+// code_value - one_zero is the same vector for every column, kept out of the k loop.
+template <bool Lookup, int TN, typename Fmt, bool OneZero>
 __attribute__((always_inline)) inline void packed_tables(float (&table)[TN], float (&zero_of)[TN], int64_t k,
                                                          float code_value, int block_shift, const void* scale,
                                                          const int64_t (&scale_at)[TN], int64_t scale_stride_k,
                                                          const uint8_t* zero, const int64_t (&zero_at)[TN],
-                                                         int64_t zero_stride_k) {
+                                                         int64_t zero_stride_k, float one_zero) {
   const int64_t block = k >> block_shift;
   #pragma unroll
   for (int j = 0; j < TN; ++j) {
-    const float z = Fmt::kZeroPoints ? float(zero[zero_at[j] + block * zero_stride_k]) : 0.0f;
+    const float z = !Fmt::kZeroPoints ? 0.0f
+                    : OneZero         ? one_zero
+                                      : byte_to_float(zero[zero_at[j] + block * zero_stride_k]);
     const float s = Fmt::scale(scale, scale_at[j] + block * scale_stride_k);
     if constexpr (Lookup) {
       table[j] = (code_value - z) * s;
@@ -265,14 +289,14 @@ constexpr int64_t kWordsAheadBlocks = 8;
 // streams (gated tiles read two chunks, the gate's and the up columns') requested
 // kWordsAheadBlocks ahead, block by block: a one-row tile computes a block about as fast as the
 // memory delivers it, and the hardware prefetchers alone did not keep ahead.
-template <bool Lookup, int S, int Streams, int R, int TN, typename TA, typename Fmt>
+template <bool Lookup, int S, int Streams, int R, int TN, typename TA, typename Fmt, bool OneZero>
 __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], const TA* const (&a_row)[R],
                                                          const uint32_t* const (&w_col)[TN], int64_t k_blocks_end,
                                                          const sycl::sub_group& sg, int lane, float code_value,
                                                          int block_shift, const void* scale,
                                                          const int64_t (&scale_at)[TN], int64_t scale_stride_k,
                                                          const uint8_t* zero, const int64_t (&zero_at)[TN],
-                                                         int64_t zero_stride_k) {
+                                                         int64_t zero_stride_k, float one_zero) {
   for (int64_t kb = 0; kb < k_blocks_end; kb += kPackedK) {
     #pragma unroll
     for (int s = 0; s < Streams; ++s)
@@ -286,8 +310,8 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
     // (The table step written as a loop of its own rather than `if (r % S == 0)` in the step loop,
     // which the CPU compiler treated as divergent.)
     for (int r0 = 0; r0 < 8; r0 += S) {
-      packed_tables<Lookup, TN, Fmt>(table, zero_of, kb + int64_t(kLanes) * r0, code_value, block_shift, scale, scale_at,
-                             scale_stride_k, zero, zero_at, zero_stride_k);
+      packed_tables<Lookup, TN, Fmt, OneZero>(table, zero_of, kb + int64_t(kLanes) * r0, code_value, block_shift, scale,
+                                              scale_at, scale_stride_k, zero, zero_at, zero_stride_k, one_zero);
       #pragma unroll 2
       for (int r = r0; r < r0 + S; ++r)
         packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, kb + int64_t(kLanes) * r + lane, sg, table, zero_of);
@@ -296,13 +320,16 @@ __attribute__((always_inline)) inline void packed_blocks(float (&acc)[R][TN], co
 }
 
 // packed_blocks with its table step chosen by the scale block: every 8 steps (128 k) for blocks
-// of 128 and more, else every 2.
+// of 128 and more, else every 2; and for formats with zero points, whether the launch has one.
 template <bool Lookup, int Streams, int R, int TN, typename TA, typename Fmt, typename... Args>
-__attribute__((always_inline)) inline void packed_blocks_for(int64_t scale_block_k, Args&&... args) {
-  if (scale_block_k >= kPackedK)
-    packed_blocks<Lookup, 8, Streams, R, TN, TA, Fmt>(args...);
-  else
-    packed_blocks<Lookup, 2, Streams, R, TN, TA, Fmt>(args...);
+__attribute__((always_inline)) inline void packed_blocks_for(int64_t scale_block_k, bool one_zero_point, Args&&... args) {
+  if (Fmt::kZeroPoints && one_zero_point) {
+    if (scale_block_k >= kPackedK) packed_blocks<Lookup, 8, Streams, R, TN, TA, Fmt, true>(args...);
+    else packed_blocks<Lookup, 2, Streams, R, TN, TA, Fmt, true>(args...);
+  } else {
+    if (scale_block_k >= kPackedK) packed_blocks<Lookup, 8, Streams, R, TN, TA, Fmt, false>(args...);
+    else packed_blocks<Lookup, 2, Streams, R, TN, TA, Fmt, false>(args...);
+  }
 }
 
 // One R x TN tile at rows m0 .. m0 + valid_rows - 1 of group g, column tile n_tile.
@@ -417,9 +444,13 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       // unrolled loop was compiled as divergent: every step masked, its values parked on the stack.)
       const int64_t k_blocks_end = K - K % kPackedK;
       const float code_value = Fmt::value(uint32_t(w.lane), 0.0f);
+      // Zero points of stride 0 everywhere: one for the launch (the launcher's symmetric constant).
+      const bool one_zero_point = Fmt::kZeroPoints && zero_stride_e == 0 && zero_stride_n == 0 && zero_stride_k == 0;
+      const float one_zero = one_zero_point ? byte_to_float(zero[0]) : 0.0f;
       constexpr int streams = Prefetch ? (Gated ? 2 : 1) : 0;
-      packed_blocks_for<Lookup, streams, R, TN, TA, Fmt>(scale_block_k, acc, a_row, w_col, k_blocks_end, w.sg, w.lane, code_value,
-                                                block_shift, scale, scale_at, scale_stride_k, zero, zero_at, zero_stride_k);
+      packed_blocks_for<Lookup, streams, R, TN, TA, Fmt>(scale_block_k, one_zero_point, acc, a_row, w_col, k_blocks_end, w.sg,
+                                                         w.lane, code_value, block_shift, scale, scale_at, scale_stride_k,
+                                                         zero, zero_at, zero_stride_k, one_zero);
       if (k_blocks_end < K) {
         uint32_t word[TN];
         #pragma unroll
@@ -428,8 +459,8 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
         for (int r = 0; r < steps; ++r) {
           const int64_t k0 = k_blocks_end + int64_t(kLanes) * r;
           float table[TN], zero_of[TN];
-          packed_tables<Lookup, TN, Fmt>(table, zero_of, k0, code_value, block_shift, scale, scale_at, scale_stride_k, zero, zero_at,
-                                 zero_stride_k);
+          packed_tables<Lookup, TN, Fmt, false>(table, zero_of, k0, code_value, block_shift, scale, scale_at, scale_stride_k,
+                                                zero, zero_at, zero_stride_k, 0.0f);
           packed_step<Lookup, R, TN, TA, Fmt>(acc, a_row, word, k0 + w.lane, w.sg, table, zero_of);
         }
       }
