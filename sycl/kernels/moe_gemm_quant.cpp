@@ -176,7 +176,7 @@ __attribute__((always_inline)) inline void quant_step(QuantAcc<TA> (&acc)[R][TN]
 __attribute__((always_inline)) inline void request_line(const void* at) { asm volatile("prefetcht0 (%0)" ::"r"(at)); }
 
 // How far ahead of its k loop an 8-bit tile asks for each column's bytes (with K contiguous).
-constexpr int64_t kBytesAhead = 512;
+constexpr int64_t kBytesAhead = 256;
 
 // The whole 16-k steps of 8-bit B read with unit stride along K, from k_begin to k_whole; values
 // times their block's scale when Scaled. Prefetch: every 1024 / TN k, lane l asks for line l / TN
