@@ -206,26 +206,6 @@ __attribute__((always_inline)) inline void byte_steps(QuantAcc<TA> (&acc)[R][TN]
   }
 }
 
-// W8A8 one-row tiles on devices whose 16 lanes are one vector register (Lookup; see quant_tile):
-// each column's B row read to its end before the next, one sequential stream of bytes, where the
-// tile's columns side by side were TN short streams the hardware prefetchers hardly follow.
-// Integer sums: the same bits in either order. (Not on AVX2, where the 16 lanes span two registers
-// and re-reading A per column cost more than the single stream gained; nor for float A, which
-// would be re-widened per column: int8 and fp8 weight-only measured slower or no faster.)
-template <bool Prefetch, int TN>
-__attribute__((always_inline)) inline void int8_column_streams(int32_t (&acc)[1][TN], const int8_t* const (&a_row)[1],
-                                                               const uint8_t* const (&b_col)[TN], int64_t k_begin,
-                                                               int64_t k_whole, int lane) {
-  const float unscaled[1] = {1.0f};
-  #pragma unroll
-  for (int j = 0; j < TN; ++j) {
-    int32_t sums[1][1] = {{acc[0][j]}};
-    const uint8_t* const col[1] = {b_col[j]};
-    byte_steps<false, Prefetch, 1, 1, int8_t, Int8Weights>(sums, a_row, col, k_begin, k_whole, lane, unscaled);
-    acc[0][j] = sums[0][0];
-  }
-}
-
 // One 16-k step of a 4-bit kernel: the low values of the lanes' words (k = k0 + lane), which are
 // then shifted down for the next step (steps run r = 0..7 in order: a shift by a constant is one
 // instruction on AVX-512 where a shift by 4 r, a run-time count, was two), dequantized
@@ -398,7 +378,6 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
       // own: with the stride a run-time value every read is a 16-lane gather.
       const int64_t block_k = scale_block_k < K ? scale_block_k : K;
       const bool unit = b_stride_k == 1;
-      constexpr bool column_streams = w8a8 && R == 1 && Lookup;  // see int8_column_streams
       for (int64_t kb = 0; kb < K; kb += block_k) {
         const int64_t k_end = kb + block_k < K ? kb + block_k : K;
         const int64_t k_whole = k_end - (k_end - kb) % kLanes;
@@ -407,8 +386,7 @@ __attribute__((always_inline)) inline void quant_tile(const QuantArgs<TA, TOut>&
         for (int j = 0; j < TN; ++j)
           sc[j] = end_scale ? 1.0f : Fmt::scale(scale, scale_at[j] + (kb / scale_block_k) * scale_stride_k);
         if (unit) {
-          if constexpr (column_streams) int8_column_streams<Prefetch, TN>(acc, a_row, b_col, kb, k_whole, w.lane);
-          else byte_steps<!end_scale, Prefetch, R, TN, TA, Fmt>(acc, a_row, b_col, kb, k_whole, w.lane, sc);
+          byte_steps<!end_scale, Prefetch, R, TN, TA, Fmt>(acc, a_row, b_col, kb, k_whole, w.lane, sc);
         } else {
           for (int64_t k0 = kb; k0 < k_whole; k0 += kLanes) {
             const int64_t k = k0 + w.lane;
@@ -533,10 +511,9 @@ inline void prefetch_column_tile(const QuantArgs<TA, TOut>& p, int64_t g, int64_
 }
 
 // Lookup: the device's 16 lanes are one vector register (GPUs, AVX-512 CPUs; nibble_lookup in
-// variants.cpp): 4-bit values are decoded by a sub-group table lookup (packed_step) and W8A8
-// one-row tiles stream their columns one after another (int8_column_streams); both give the
-// same bits as the other way. Prefetch (CPU devices): the k loops ask for their weights ahead
-// (byte_steps, packed_blocks) and each unit for the next one's scales (prefetch_column_tile).
+// variants.cpp): 4-bit values are decoded by a sub-group table lookup (packed_step), which gives
+// the same bits as arithmetic decoding. Prefetch (CPU devices): the k loops ask for their weights
+// ahead (byte_steps, packed_blocks) and each unit for the next one's scales (prefetch_column_tile).
 // The 16 lanes split K (as moe_gemm_k_lanes does); each lane keeps TM x TN partial sums of a row
 // tile, reduced across the sub-group once per tile. Units are one column tile of one group over
 // up to kUnitRows rows, owned by the persistent workers through the shared scheduler. A group's
