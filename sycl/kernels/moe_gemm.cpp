@@ -11,7 +11,7 @@
 // Scheduling: a fixed set of workers (one sub-group each) loops over the work units of all
 // groups. A unit is one column tile of one group over several row tiles, so its slice of B is
 // read from memory once and reused from cache. Each worker derives every group's units from the
-// cumulative row offsets in device memory and takes those starting in its equal share of the
+// cumulative row offsets in device memory and takes those centred in its equal share of the
 // total cost (row tiles plus B streaming), so skewed routing stays balanced. Empty groups cost
 // one offset read. Rows at or past group_offsets[E-1] form a last "tail" group whose tiles are
 // written with zeros, so no separate memset is needed.

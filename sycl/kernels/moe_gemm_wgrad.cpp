@@ -10,8 +10,8 @@
 // run of elements when dB is dense).
 //
 // Scheduling: a fixed set of workers; every group contributes tiles_k * tiles_n units costing
-// (rows + 1) each (the rows' FMAs plus the tile's store), and each worker runs the units that
-// start in its equal share of the total, so one group holding every row still spreads over all
+// (rows + 1) each (the rows' FMAs plus the tile's store), and each worker runs the units
+// centred in its equal share of the total, so one group holding every row still spreads over all
 // workers. Offsets are read on the device and clamped like the forward kernels'.
 //
 // The lanes store along dB's N. For dB contiguous along K (nn.Linear weights seen through

@@ -33,8 +33,11 @@ constexpr UnitCost unit_cost() {
 // n_tile. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
 // tiles: its B slice is read from memory once and reused from cache by its row tiles. Units are
 // ordered group by group, row block by row block, column tile by column tile, and each worker
-// owns the units that start in its equal share of the total cost (row tiles plus B streaming,
-// see UnitCost): balanced however skewed the routing. A worker's consecutive units share their
+// owns the units whose middle lies in its equal share of the total cost (row tiles plus B
+// streaming, see UnitCost): balanced however skewed the routing, each worker within half a unit
+// of its share. (Owning the units that start in the share put up to a whole unit more on one
+// worker: with a few large units, as [E, K, N] float32 with 4 rows an expert gives, one of two
+// workers took 5 of 8 experts.) A worker's consecutive units share their
 // rows of A and read adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
 // offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
 // offsets can never address memory out of range (the host validates them where it can do so
@@ -72,9 +75,9 @@ inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void*
           const int64_t block_end = block_base + tiles_n * unit_cost;
           if (block_end > first) {
             for (int64_t n_tile = first > block_base ? (first - block_base) / unit_cost : 0; n_tile < tiles_n; ++n_tile) {
-              const int64_t cost = block_base + n_tile * unit_cost;  // the unit's start
-              if (cost >= last) return false;
-              if (cost >= first) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
+              const int64_t middle = block_base + n_tile * unit_cost + unit_cost / 2;
+              if (middle >= last) return false;
+              if (middle >= first) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
             }
           }
           block_base = block_end;
@@ -83,11 +86,21 @@ inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void*
       });
 }
 
+// How many of `units` units of `cost` each, the first starting at `base`, have their middle
+// before `limit`.
+inline int64_t units_centred_before(int64_t limit, int64_t base, int64_t cost, int64_t units) {
+  const int64_t before = limit - base - cost / 2;  // unit u's middle is base + u * cost + cost / 2
+  if (before <= 0) return 0;
+  const int64_t n = (before + cost - 1) / cost;
+  return n < units ? n : units;
+}
+
 // The weight-gradient kernels' scheduling (moe_gemm_wgrad.cpp): each group's dB is `units` work
 // units of equal `cost`, shape(rows, units, cost) saying how many for a group of `rows` rows, and
-// each worker runs the units that start in its equal share of the total cost, so one group
-// holding every row still spreads over all workers. Calls group(g, row_begin, rows, u_lo, u_hi,
-// units) for every group of which the worker owns units [u_lo, u_hi), in group order.
+// each worker runs the units whose middle lies in its equal share of the total cost (as
+// for_each_owned_unit), so one group holding every row still spreads over all workers. Calls
+// group(g, row_begin, rows, u_lo, u_hi, units) for every group of which the worker owns units
+// [u_lo, u_hi), in group order.
 template <typename ShapeFn, typename GroupFn>
 inline void for_each_owned_wgrad_units(int64_t worker, int64_t num_workers, const void* group_offsets,
                                        int offsets_is64, int64_t num_groups, int64_t rows,
@@ -109,8 +122,8 @@ inline void for_each_owned_wgrad_units(int64_t worker, int64_t num_workers, cons
                    if (g == num_groups || base >= last) return false;
                    int64_t units, cost;
                    shape(row_end - row_begin, units, cost);
-                   const int64_t u_lo = first > base ? (first - base + cost - 1) / cost : 0;
-                   const int64_t u_hi = last - base < units * cost ? (last - base + cost - 1) / cost : units;
+                   const int64_t u_lo = units_centred_before(first, base, cost, units);
+                   const int64_t u_hi = units_centred_before(last, base, cost, units);
                    if (u_lo < u_hi) group(g, row_begin, row_end - row_begin, u_lo, u_hi, units);
                    base += units * cost;
                    return base < last;
