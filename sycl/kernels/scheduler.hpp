@@ -28,6 +28,15 @@ constexpr UnitCost unit_cost() {
   return UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * int64_t(sizeof(T))};
 }
 
+// How many of `units` units of `cost` each, the first starting at `base`, have their middle
+// before `limit`.
+inline int64_t units_centred_before(int64_t limit, int64_t base, int64_t cost, int64_t units) {
+  const int64_t before = limit - base - cost / 2;  // unit u's middle is base + u * cost + cost / 2
+  if (before <= 0) return 0;
+  const int64_t n = (before + cost - 1) / cost;
+  return n < units ? n : units;
+}
+
 // Calls unit(g, row_begin, rows, m_first, m_last, n_tile) for every work unit this worker owns:
 // row tiles [m_first, m_last) of group g (rows [row_begin, row_begin + rows)) at column tile
 // n_tile. A work unit is one column tile of one group over up to `tiles_per_unit` consecutive row
@@ -35,10 +44,9 @@ constexpr UnitCost unit_cost() {
 // ordered group by group, row block by row block, column tile by column tile, and each worker
 // owns the units whose middle lies in its equal share of the total cost (row tiles plus B
 // streaming, see UnitCost): balanced however skewed the routing, each worker within half a unit
-// of its share. (Owning the units that start in the share put up to a whole unit more on one
-// worker: with a few large units, as [E, K, N] float32 with 4 rows an expert gives, one of two
-// workers took 5 of 8 experts.) A worker's consecutive units share their
-// rows of A and read adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
+// of its share (owning those that start in it could put a whole unit more on one worker, which
+// with a few large units is a large imbalance). A worker's consecutive units share their rows of
+// A and read adjacent B rows as one long stream. g == num_groups is the tail group (rows past the last
 // offset, written with zeros). Offsets are clamped into [previous offset, out_rows] so malformed
 // offsets can never address memory out of range (the host validates them where it can do so
 // without a synchronisation).
@@ -72,27 +80,15 @@ inline void for_each_owned_unit(int64_t worker, int64_t num_workers, const void*
           const int64_t m_first = block * tiles_per_unit;
           const int64_t m_last = m_first + tiles_per_unit < tiles_m ? m_first + tiles_per_unit : tiles_m;
           const int64_t unit_cost = (m_last - m_first) * row_tile_cost(g) + stream_cost(g);
-          const int64_t block_end = block_base + tiles_n * unit_cost;
-          if (block_end > first) {
-            for (int64_t n_tile = first > block_base ? (first - block_base) / unit_cost : 0; n_tile < tiles_n; ++n_tile) {
-              const int64_t middle = block_base + n_tile * unit_cost + unit_cost / 2;
-              if (middle >= last) return false;
-              if (middle >= first) unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
-            }
-          }
-          block_base = block_end;
+          const int64_t n_lo = units_centred_before(first, block_base, unit_cost, tiles_n);
+          const int64_t n_hi = units_centred_before(last, block_base, unit_cost, tiles_n);
+          for (int64_t n_tile = n_lo; n_tile < n_hi; ++n_tile)
+            unit(g, row_begin, row_end - row_begin, m_first, m_last, n_tile);
+          if (n_hi < tiles_n) return false;  // the rest are the next workers'
+          block_base += tiles_n * unit_cost;
         }
         return group_cost_base < last;
       });
-}
-
-// How many of `units` units of `cost` each, the first starting at `base`, have their middle
-// before `limit`.
-inline int64_t units_centred_before(int64_t limit, int64_t base, int64_t cost, int64_t units) {
-  const int64_t before = limit - base - cost / 2;  // unit u's middle is base + u * cost + cost / 2
-  if (before <= 0) return 0;
-  const int64_t n = (before + cost - 1) / cost;
-  return n < units ? n : units;
 }
 
 // The weight-gradient kernels' scheduling (moe_gemm_wgrad.cpp): each group's dB is `units` work
