@@ -211,15 +211,15 @@ def _k_contiguous_view(w: torch.Tensor) -> torch.Tensor:
 
 class PreparedFused:
     """What a fused_moe call's metadata settles once its metadata is checked: both launches'
-    prepared launches (planned, kernels looked up) and whether x is widened for the first. Kept per
-    metadata (see ``prepared_fused``), so a decode step repeating an earlier step's shapes skips
-    the checks and the planning."""
+    prepared launches (planned, kernels looked up) and whether x (h) is widened for the first
+    (second). Kept per metadata (see ``prepared_fused``), so a decode step repeating an earlier
+    step's shapes skips the checks and the planning."""
 
-    __slots__ = ("gate_up", "down", "widen_x", "h_dtype")
+    __slots__ = ("gate_up", "down", "widen_x", "widen_h", "h_dtype")
 
     def __init__(self):
         self.gate_up = self.down = None
-        self.widen_x = False
+        self.widen_x = self.widen_h = False
         self.h_dtype = torch.float32
 
 
@@ -292,7 +292,7 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
         args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
         args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
         args.row_weight = weights.data_ptr()
-        p.down, _ = prepare_launch(args, h)
+        p.down, p.widen_h = prepare_launch(args, h)
         p.gate_up = gate_up
     queue = _runtime.queue_address(x.device)
     a = x.float() if p.widen_x else x
@@ -304,7 +304,9 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
     if pre is not None:
         h.copy_(torch_fallback.ACTIVATIONS[activation](pre[:, :I]) * pre[:, I:])
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
-    launch_prepared(p.down, queue, h.data_ptr(), w_down.data_ptr(), group_offsets.data_ptr(), 0, bias_down,
+    # (A bf16 h is chosen for kernels that multiply bf16, which do not widen; kept correct anyway.)
+    h_read = h.float() if p.widen_h else h
+    launch_prepared(p.down, queue, h_read.data_ptr(), w_down.data_ptr(), group_offsets.data_ptr(), 0, bias_down,
                     per_slot.data_ptr(), scatter_index.data_ptr(), weights.data_ptr())
     return per_slot.view(T, k, H)
 

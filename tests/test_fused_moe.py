@@ -102,6 +102,20 @@ def test_bitwise_deterministic(dtype):
         assert torch.equal(moe_xpu.fused_moe(x, gu, dn, w, ids), first)
 
 
+def test_bf16_hidden_rows_on_any_second_kernel():
+    # bf16 h between the GEMMs is chosen for the dot-product kernels, which read it as it is; forced
+    # here onto whatever the CPU plans (vector kernels widen 16-bit A on tiles of several rows), the
+    # second launch must still read it right.
+    from moe_xpu import fused
+
+    x, gu, dn, w, ids, biases = make_block(37, 72, 40, 8, 2, torch.bfloat16, bias=True)
+    forced = fused.PreparedFused()
+    forced.h_dtype = torch.bfloat16
+    args = (x, gu, dn, w, ids, "silu", *biases)
+    out = fused.run_on_backend(args, torch_fallback.fused_moe, fused._fused_moe_sycl, prepared=forced)
+    check(out, x, gu, dn, w, ids, "silu", biases)
+
+
 @pytest.mark.parametrize("backend", ["sycl", "torch"])
 def test_both_backends(monkeypatch, backend):
     monkeypatch.setenv("MOE_XPU_BACKEND", backend)
