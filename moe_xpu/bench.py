@@ -657,7 +657,7 @@ def bench_small(repeats: int, flush: Callable[[], None] | None = None, markdown:
         ids = torch.randn(case.tokens, case.experts, generator=gen).argmax(1)
         offsets = torch.bincount(ids, minlength=case.experts).cumsum(0).to(torch.int32)
         out = torch.empty(case.tokens, case.N)
-        prepared, _ = ops.prepare_launch(ops.gemm_args(a, b, offsets, None, None, out), a)  # as moe_gemm's calls run
+        prepared = ops.prepare_launch(ops.gemm_args(a, b, offsets, None, None, out), a).launcher  # as moe_gemm's calls run
         addresses = (a.data_ptr(), b.data_ptr(), offsets.data_ptr(), 0, 0, out.data_ptr())
         t = median_times(_available({"moe_xpu": lambda: moe_xpu.moe_gemm(a, b, offsets),
                                      "grouped_mm": GROUPED_MM and (lambda: GROUPED_MM(a, b, offs=offsets)),

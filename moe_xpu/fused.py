@@ -18,7 +18,7 @@ import torch
 from moe_xpu import _dispatch, _runtime, torch_fallback
 from moe_xpu._dispatch import metadata
 from moe_xpu.ops import (INDEX_DTYPES, SUPPORTED_DTYPES, MoeXpuInputError, checked_launch, gemm_args,
-                         launch_prepared, prepare_launch, rows_contiguous)
+                         prepare_launch, rows_contiguous)
 
 #: Expert id marking a (token, slot) whose expert lives elsewhere (expert parallelism): it is
 #: skipped and contributes nothing. Any other id outside [0, num_experts) is an error.
@@ -211,15 +211,14 @@ def _k_contiguous_view(w: torch.Tensor) -> torch.Tensor:
 
 class PreparedFused:
     """What a fused_moe call's metadata settles once its metadata is checked: both launches'
-    prepared launches (planned, kernels looked up) and whether x (h) is widened for the first
-    (second). Kept per metadata (see ``prepared_fused``), so a decode step repeating an earlier
-    step's shapes skips the checks and the planning."""
+    prepared launches (``ops.PreparedLaunch``: planned, kernels looked up) and the dtype of the
+    hidden rows between them. Kept per metadata (see ``prepared_fused``), so a decode step
+    repeating an earlier step's shapes skips the checks and the planning."""
 
-    __slots__ = ("gate_up", "down", "widen_x", "widen_h", "h_dtype")
+    __slots__ = ("gate_up", "down", "h_dtype")
 
     def __init__(self):
         self.gate_up = self.down = None
-        self.widen_x = self.widen_h = False
         self.h_dtype = torch.float32
 
 
@@ -288,26 +287,23 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
         if pre is None:
             args.activation, args.up_offset, args.N = ACTIVATIONS[activation], I, I
         args.gather_matches_offsets = False  # slots of experts elsewhere sort past the last group
-        gate_up, p.widen_x = prepare_launch(args, x)
+        gate_up = prepare_launch(args, x)
         args = gemm_args(h, w_down, group_offsets, None, down_bias, per_slot)
         args.scatter_index, args.scatter_is_int64 = scatter_index.data_ptr(), True
         args.row_weight = weights.data_ptr()
-        p.down, p.widen_h = prepare_launch(args, h)
+        p.down = prepare_launch(args, h)
         p.gate_up = gate_up
     queue = _runtime.queue_address(x.device)
-    a = x.float() if p.widen_x else x
     bias_up = 0 if gate_up_bias is None else gate_up_bias.data_ptr()
     bias_down = 0 if down_bias is None else down_bias.data_ptr()
     # 1. h = act(x[token] @ gate^T) * (x[token] @ up^T), rows in expert order, read via the index.
-    launch_prepared(p.gate_up, queue, a.data_ptr(), w_gate_up.data_ptr(), group_offsets.data_ptr(),
-                    gather_index.data_ptr(), bias_up, h.data_ptr() if pre is None else pre.data_ptr())
+    p.gate_up.launch(queue, x, w_gate_up.data_ptr(), group_offsets.data_ptr(), gather_index.data_ptr(), bias_up,
+                     h.data_ptr() if pre is None else pre.data_ptr())
     if pre is not None:
         h.copy_(torch_fallback.ACTIVATIONS[activation](pre[:, :I]) * pre[:, I:])
     # 2. each row times its top-k weight, written to its (token, slot) place; then the slot sum.
-    # (A bf16 h is chosen for kernels that multiply bf16, which do not widen; kept correct anyway.)
-    h_read = h.float() if p.widen_h else h
-    launch_prepared(p.down, queue, h_read.data_ptr(), w_down.data_ptr(), group_offsets.data_ptr(), 0, bias_down,
-                    per_slot.data_ptr(), scatter_index.data_ptr(), weights.data_ptr())
+    p.down.launch(queue, h, w_down.data_ptr(), group_offsets.data_ptr(), 0, bias_down, per_slot.data_ptr(),
+                  scatter_index.data_ptr(), weights.data_ptr())
     return per_slot.view(T, k, H)
 
 

@@ -180,12 +180,10 @@ def set_optional_inputs(args, gather_index: torch.Tensor | None, bias: torch.Ten
 def launch(args, a: torch.Tensor) -> bool:
     """Plans and launches the grouped GEMM described by ``args`` (from ``gemm_args``; ``a`` is its
     A) once, widening A where the plan says so (see ``prepare_launch``). Returns whether it did."""
-    prepared, widen = prepare_launch(args, a)
-    if widen:
-        a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
-    launch_prepared(prepared, args.queue, a.data_ptr(), args.b, args.group_offsets, args.gather_index, args.bias,
-                    args.out, args.scatter_index, args.row_weight)
-    return widen
+    prepared = prepare_launch(args, a)
+    prepared.launch(args.queue, a, args.b, args.group_offsets, args.gather_index, args.bias, args.out,
+                    args.scatter_index, args.row_weight)
+    return prepared.widen_a
 
 
 _LAUNCH_ERRORS = (_runtime.sycl_module().ArgumentError,) if _runtime.sycl_module() is not None else ()
@@ -225,17 +223,17 @@ class PreparedCall:
     """What the metadata of a call (shapes, strides, dtypes, devices, out_dtype) settles: the
     output's shape and dtype, whether every input is read in place, the implementation for its
     device and, once the SYCL path has run, the launcher's prepared launch (planned, its kernel
-    looked up) and whether A is widened. Kept per metadata (see ``prepared``) so that a repeated
-    call (a decode step's shapes, token after token) is neither re-checked nor re-planned: it only
-    reads its tensors' addresses."""
+    looked up; a PreparedLaunch). Kept per metadata (see ``prepared``) so that a repeated call (a
+    decode step's shapes, token after token) is neither re-checked nor re-planned: it only reads
+    its tensors' addresses."""
 
-    __slots__ = ("out_dtype", "rows", "n", "in_place", "run", "on_cpu", "launcher", "widen_a")
+    __slots__ = ("out_dtype", "rows", "n", "in_place", "run", "on_cpu", "launcher")
 
     def __init__(self, out_dtype, rows, n, in_place, device_type):
         self.out_dtype, self.rows, self.n, self.in_place = out_dtype, rows, n, in_place
         self.on_cpu = device_type == "cpu"
         self.run = _moe_gemm_on_cpu if self.on_cpu else _moe_gemm_on_xpu
-        self.launcher, self.widen_a = None, False
+        self.launcher = None
 
 
 _PREPARED = _dispatch.MetadataTable()
@@ -263,26 +261,38 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
     return _PREPARED.keep(key, PreparedCall(resolved, rows, b.shape[2], in_place, a.device.type))
 
 
-def prepare_launch(args, a: torch.Tensor):
-    """The launcher's prepared launch (``_C.PreparedGemm``: planned, its kernel looked up) for
-    ``args`` (from ``gemm_args``; ``a`` is its A), and whether every call widens A to float32 first:
-    when the planned kernel is faster with float32 A (16-bit inputs on tiles of several rows, where
-    A is re-read for every column tile but each B value serves a whole row tile), A is widened once
-    per call, one pass over A, and the k loop converts only B."""
+class PreparedLaunch:
+    """A planned launch (``_C.PreparedGemm``: its kernel looked up) and whether A is widened to
+    float32 before it. ``launch`` takes A as a tensor and widens it itself, so that no caller can
+    hand 16-bit A to a launch planned for float32 A."""
+
+    __slots__ = ("launcher", "widen_a")
+
+    def __init__(self, launcher, widen_a: bool):
+        self.launcher, self.widen_a = launcher, widen_a
+
+    def launch(self, queue: int, a: torch.Tensor, *addresses: int) -> None:
+        """Launches on ``queue`` with A and the other operands' ``addresses`` in the launcher's
+        order; the launcher's value errors become MoeXpuInputError."""
+        if self.widen_a:
+            a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
+        try:
+            self.launcher.launch(queue, a.data_ptr(), *addresses)
+        except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
+            raise MoeXpuInputError(str(error)) from None
+
+
+def prepare_launch(args, a: torch.Tensor) -> PreparedLaunch:
+    """The prepared launch for ``args`` (from ``gemm_args``; ``a`` is its A). When the planned
+    kernel is faster with float32 A (16-bit inputs on tiles of several rows, where A is re-read for
+    every column tile but each B value serves a whole row tile), it is planned for float32 A and
+    every launch widens A once, one pass over A, so that the k loop converts only B."""
     C = _runtime.sycl_module()
     widen = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
     if widen:
         wide = a.float()  # the strides every widened A of this metadata gets
         args.a_dtype, args.a_row_stride = _launcher_dtype(wide.dtype), wide.stride(0)
-    return C.PreparedGemm(args), widen
-
-
-def launch_prepared(launcher, queue: int, *addresses: int) -> None:
-    """``launcher.launch`` with the launcher's value errors turned into MoeXpuInputError."""
-    try:
-        launcher.launch(queue, *addresses)
-    except _LAUNCH_ERRORS as error:  # a value check of the launcher (CPU device)
-        raise MoeXpuInputError(str(error)) from None
+    return PreparedLaunch(C.PreparedGemm(args), widen)
 
 
 def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
@@ -291,13 +301,10 @@ def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):
     out = torch.empty(p.rows, p.n, dtype=p.out_dtype, device=a.device)
     launcher = p.launcher
     if launcher is None:  # the first call with this metadata plans it, the same for every later one
-        launcher, p.widen_a = prepare_launch(gemm_args(a, b, group_offsets, gather_index, bias, out), a)
-        p.launcher = launcher
-    if p.widen_a:
-        a = a.float()  # freed after an enqueue on the same stream: safe under torch's stream semantics
-    launch_prepared(launcher, 0 if p.on_cpu else _runtime.queue_address(a.device), a.data_ptr(), b.data_ptr(),
-                    group_offsets.data_ptr(), 0 if gather_index is None else gather_index.data_ptr(),
-                    0 if bias is None else bias.data_ptr(), out.data_ptr())
+        launcher = p.launcher = prepare_launch(gemm_args(a, b, group_offsets, gather_index, bias, out), a)
+    launcher.launch(0 if p.on_cpu else _runtime.queue_address(a.device), a, b.data_ptr(), group_offsets.data_ptr(),
+                    0 if gather_index is None else gather_index.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                    out.data_ptr())
     return out
 
 

@@ -520,13 +520,13 @@ def _kernel_ready(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, 
 
 
 class _PreparedQuant:
-    """A quantized launch's plan for one call metadata: the launcher's prepared launch (planned,
-    its kernel looked up), whether A is widened to float32 first, and the dtype it writes."""
+    """A quantized launch's plan for one call metadata: its prepared launch (``ops.PreparedLaunch``:
+    planned, its kernel looked up, A widened to float32 where planned so) and the dtype it writes."""
 
-    __slots__ = ("launcher", "widen_a", "launch_dtype")
+    __slots__ = ("launcher", "launch_dtype")
 
-    def __init__(self, launcher, widen_a: bool, launch_dtype: torch.dtype):
-        self.launcher, self.widen_a, self.launch_dtype = launcher, widen_a, launch_dtype
+    def __init__(self, launcher: ops.PreparedLaunch, launch_dtype: torch.dtype):
+        self.launcher, self.launch_dtype = launcher, launch_dtype
 
 
 # Kept per call metadata (see _dispatch.MetadataTable), so that a repeated call (a decode step's
@@ -576,20 +576,19 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
                  and ops.checked_launch(C.plan_gemm, args).widen_a)
         if widen:
             args = launch_args(a.float(), torch.empty(rows, N, dtype=torch.float32, device=a.device))
-        prepared = _PreparedQuant(ops.checked_launch(C.PreparedGemm, args), widen,
+        prepared = _PreparedQuant(ops.PreparedLaunch(ops.checked_launch(C.PreparedGemm, args), widen),
                                   torch.float32 if widen else out_dtype)
         if configure is None:
             prepared = _QUANT_LAUNCHES.keep(key, prepared)
-    if prepared.widen_a:
-        a = a.float()  # held until the launch has run: the launcher has only its address
     out = torch.empty(rows, N, dtype=prepared.launch_dtype, device=a.device)
     zero = q.zero if q.zero is not None else _symmetric_zero(a.device)
     queue = 0 if a.device.type == "cpu" else _runtime.queue_address(a.device)
-    ops.launch_prepared(prepared.launcher, queue, a.data_ptr(), q.data.data_ptr(), group_offsets.data_ptr(),
-                        0 if gather_index is None else gather_index.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                        out.data_ptr(), 0 if scatter_index is None else scatter_index.data_ptr(),
-                        0 if row_weight is None else row_weight.data_ptr(), q.scale.data_ptr(), zero.data_ptr(),
-                        0 if a_scale is None else a_scale.data_ptr())
+    prepared.launcher.launch(queue, a, q.data.data_ptr(), group_offsets.data_ptr(),
+                             0 if gather_index is None else gather_index.data_ptr(),
+                             0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                             0 if scatter_index is None else scatter_index.data_ptr(),
+                             0 if row_weight is None else row_weight.data_ptr(), q.scale.data_ptr(), zero.data_ptr(),
+                             0 if a_scale is None else a_scale.data_ptr())
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
