@@ -262,14 +262,19 @@ def prepared(a, b, group_offsets, gather_index, bias, out_dtype) -> PreparedCall
 
 
 class PreparedLaunch:
-    """A planned launch (``_C.PreparedGemm``: its kernel looked up) and whether A is widened to
-    float32 before it. ``launch`` takes A as a tensor and widens it itself, so that no caller can
-    hand 16-bit A to a launch planned for float32 A."""
+    """A planned launch (``_C.PreparedGemm``: its kernel looked up), whether A is widened to float32
+    before it and whether it then writes float32 output (``prepare_launch``'s ``widen_out``).
+    ``launch`` takes A as a tensor and widens it itself, so that no caller can hand 16-bit A to a
+    launch planned for float32 A."""
 
-    __slots__ = ("launcher", "widen_a")
+    __slots__ = ("launcher", "widen_a", "widen_out")
 
-    def __init__(self, launcher, widen_a: bool):
-        self.launcher, self.widen_a = launcher, widen_a
+    def __init__(self, launcher, widen_a: bool, widen_out: bool = False):
+        self.launcher, self.widen_a, self.widen_out = launcher, widen_a, widen_out
+
+    def out_dtype(self, requested: torch.dtype) -> torch.dtype:
+        """The dtype of the output buffer the launch writes, for a call that asked for ``requested``."""
+        return torch.float32 if self.widen_out else requested
 
     def launch(self, queue: int, a: torch.Tensor, *addresses: int) -> None:
         """Launches on ``queue`` with A and the other operands' ``addresses`` in the launcher's
@@ -282,17 +287,23 @@ class PreparedLaunch:
             raise MoeXpuInputError(str(error)) from None
 
 
-def prepare_launch(args, a: torch.Tensor) -> PreparedLaunch:
-    """The prepared launch for ``args`` (from ``gemm_args``; ``a`` is its A). When the planned
-    kernel is faster with float32 A (16-bit inputs on tiles of several rows, where A is re-read for
-    every column tile but each B value serves a whole row tile), it is planned for float32 A and
-    every launch widens A once, one pass over A, so that the k loop converts only B."""
+def prepare_launch(args, a: torch.Tensor, *, widen_out: bool = False) -> PreparedLaunch:
+    """The prepared launch for ``args`` (from ``gemm_args`` or ``quant.quant_args``; ``a`` is its
+    A). When the planned kernel is faster with float32 A (16-bit inputs on tiles of several rows,
+    where A is re-read for every column tile but each B value serves a whole row tile), it is
+    planned for float32 A and every launch widens A once, one pass over A, so that the k loop
+    converts only B. ``widen_out``: such a launch also writes float32 (the quantized kernels are
+    compiled for float A with float32 output only) and the caller rounds it; never then with a
+    scatter index, whose output rows several launches' epilogues write."""
     C = _runtime.sycl_module()
-    widen = a.dtype != torch.float32 and C.plan_gemm(args).widen_a
+    widen = (a.dtype in (torch.bfloat16, torch.float16) and not (widen_out and args.scatter_index)
+             and checked_launch(C.plan_gemm, args).widen_a)
     if widen:
         wide = a.float()  # the strides every widened A of this metadata gets
         args.a_dtype, args.a_row_stride = _launcher_dtype(wide.dtype), wide.stride(0)
-    return PreparedLaunch(C.PreparedGemm(args), widen)
+        if widen_out:
+            args.out_dtype = _launcher_dtype(torch.float32)
+    return PreparedLaunch(checked_launch(C.PreparedGemm, args), widen, widen and widen_out)
 
 
 def _run_sycl(a, b, group_offsets, gather_index, bias, p: PreparedCall):

@@ -519,16 +519,6 @@ def _kernel_ready(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, 
     return a, group_offsets, a_scale, gather_index, bias
 
 
-class _PreparedQuant:
-    """A quantized launch's plan for one call metadata: its prepared launch (``ops.PreparedLaunch``:
-    planned, its kernel looked up, A widened to float32 where planned so) and the dtype it writes."""
-
-    __slots__ = ("launcher", "launch_dtype")
-
-    def __init__(self, launcher: ops.PreparedLaunch, launch_dtype: torch.dtype):
-        self.launcher, self.launch_dtype = launcher, launch_dtype
-
-
 # Kept per call metadata (see _dispatch.MetadataTable), so that a repeated call (a decode step's
 # shapes, token after token) neither builds launch arguments nor plans again: it only reads its
 # tensors' addresses.
@@ -542,7 +532,7 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
     """Launches the quantized kernel (inputs checked). The fused MoE passes its epilogue: the
     gated activation (activation, up_offset, out_columns), scatter index, row weight, and with
     ``gather_matches_offsets=False`` an index table longer than the groups' rows. Where the plan
-    asks for float32 A (``LaunchPlan.widen_a``), 16-bit A is widened once and the float32 output
+    asks for float32 A (``ops.prepare_launch``), 16-bit A is widened once and the float32 output
     rounded to ``out_dtype`` after (the same rounding as the kernel's: the same bits).
     ``configure(args)`` (tests, tuning) edits the launcher's arguments before they are planned;
     such a call is planned afresh and not kept."""
@@ -550,8 +540,13 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
     rows = out_rows if out_rows is not None else (a.shape[0] if gather_index is None else gather_index.shape[0])
     N = out_columns if out_columns is not None else q.shape[2]
 
-    def launch_args(a, out):
-        args = quant_args(a, q, group_offsets, a_scale, gather_index, bias, out)
+    key = (metadata(a), q.format, q.shape, q.block, metadata(q.data), metadata(q.scale), metadata(q.zero),
+           metadata(group_offsets), metadata(a_scale), metadata(gather_index), metadata(bias), out_dtype,
+           activation, up_offset, N, metadata(scatter_index), metadata(row_weight), rows, gather_matches_offsets)
+    prepared = _QUANT_LAUNCHES.get(key) if configure is None else None
+    if prepared is None:
+        args = quant_args(a, q, group_offsets, a_scale, gather_index, bias,
+                          torch.empty(rows, N, dtype=out_dtype, device=a.device))
         args.N = N
         args.activation, args.up_offset = activation, up_offset
         args.gather_matches_offsets = gather_matches_offsets
@@ -562,33 +557,17 @@ def run_quant(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, bias
             args.row_weight = row_weight.data_ptr()
         if configure is not None:
             configure(args)
-        return args
-
-    key = (metadata(a), q.format, q.shape, q.block, metadata(q.data), metadata(q.scale), metadata(q.zero),
-           metadata(group_offsets), metadata(a_scale), metadata(gather_index), metadata(bias), out_dtype,
-           activation, up_offset, N, metadata(scatter_index), metadata(row_weight), rows, gather_matches_offsets)
-    prepared = _QUANT_LAUNCHES.get(key) if configure is None else None
-    if prepared is None:
-        C = _runtime.sycl_module()
-        args = launch_args(a, torch.empty(rows, N, dtype=out_dtype, device=a.device))
-        # (Not with a scatter index: its output rows are written by several launches' epilogues.)
-        widen = (a.dtype in (torch.bfloat16, torch.float16) and scatter_index is None
-                 and ops.checked_launch(C.plan_gemm, args).widen_a)
-        if widen:
-            args = launch_args(a.float(), torch.empty(rows, N, dtype=torch.float32, device=a.device))
-        prepared = _PreparedQuant(ops.PreparedLaunch(ops.checked_launch(C.PreparedGemm, args), widen),
-                                  torch.float32 if widen else out_dtype)
+        prepared = ops.prepare_launch(args, a, widen_out=True)
         if configure is None:
             prepared = _QUANT_LAUNCHES.keep(key, prepared)
-    out = torch.empty(rows, N, dtype=prepared.launch_dtype, device=a.device)
+    out = torch.empty(rows, N, dtype=prepared.out_dtype(out_dtype), device=a.device)
     zero = q.zero if q.zero is not None else _symmetric_zero(a.device)
     queue = 0 if a.device.type == "cpu" else _runtime.queue_address(a.device)
-    prepared.launcher.launch(queue, a, q.data.data_ptr(), group_offsets.data_ptr(),
-                             0 if gather_index is None else gather_index.data_ptr(),
-                             0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                             0 if scatter_index is None else scatter_index.data_ptr(),
-                             0 if row_weight is None else row_weight.data_ptr(), q.scale.data_ptr(), zero.data_ptr(),
-                             0 if a_scale is None else a_scale.data_ptr())
+    prepared.launch(queue, a, q.data.data_ptr(), group_offsets.data_ptr(),
+                    0 if gather_index is None else gather_index.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                    out.data_ptr(), 0 if scatter_index is None else scatter_index.data_ptr(),
+                    0 if row_weight is None else row_weight.data_ptr(), q.scale.data_ptr(), zero.data_ptr(),
+                    0 if a_scale is None else a_scale.data_ptr())
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

@@ -224,9 +224,12 @@ def test_widened_activations_give_the_16_bit_kernels_bits(C, fmt, kw, dtype):
     go = offsets(counts)
     gi = torch.randint(0, 30, (sum(counts),))
     bias = torch.randn(len(counts), N).to(dtype)
-    plans = []
-    out = quant.run_quant(a, q, go, None, gi, bias, dtype, configure=lambda args: plans.append(C.plan_gemm(args)))
-    assert plans[0].widen_a and not plans[-1].widen_a  # the 16-bit plan, then the float32 launch
+    seen = []
+    out = quant.run_quant(a, q, go, None, gi, bias, dtype,
+                          configure=lambda args: seen.append((args, C.plan_gemm(args))))
+    (args, plan), = seen
+    assert plan.widen_a  # the 16-bit plan asked for float32 A; the launch was planned for it
+    assert args.a_dtype == args.out_dtype == C.DType.float32 and not C.plan_gemm(args).widen_a
     direct, bias32 = torch.empty_like(out), bias.float()  # (args hold addresses: keep the tensors)
     C.moe_gemm(quant.quant_args(a, q, go, None, gi, bias32, direct))
     assert torch.equal(out, direct)
