@@ -213,27 +213,31 @@ class PreparedFused:
     """What a fused_moe call's metadata settles once its metadata is checked: both launches'
     prepared launches (``ops.PreparedLaunch``: planned, kernels looked up) and the dtype of the
     hidden rows between them. Kept per metadata (see ``prepared_fused``), so a decode step
-    repeating an earlier step's shapes skips the checks and the planning."""
+    repeating an earlier step's shapes skips the checks and the planning, on every path (direct
+    call, torch op, training forward). ``pre_activations``: the first launch writes the gate/up
+    pre-activations (the training forward) instead of the activated rows; a different plan."""
 
-    __slots__ = ("gate_up", "down", "h_dtype")
+    __slots__ = ("gate_up", "down", "h_dtype", "pre_activations")
 
-    def __init__(self):
+    def __init__(self, pre_activations: bool = False):
         self.gate_up = self.down = None
         self.h_dtype = torch.float32
+        self.pre_activations = pre_activations
 
 
 _PREPARED = _dispatch.MetadataTable()
 
 
-def prepared_fused(args: tuple) -> PreparedFused:
+def prepared_fused(args: tuple, pre_activations: bool = False) -> PreparedFused:
     """The checked metadata of fused_moe arguments (tensors, not QuantizedExperts): raises
-    MoeXpuInputError for bad metadata (nothing is kept then), else returns its PreparedFused."""
+    MoeXpuInputError for bad metadata (nothing is kept then), else returns its PreparedFused (see
+    there for ``pre_activations``)."""
     hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias = args
     if not isinstance(activation, str):
         check_fused_moe_metadata(*args)  # raises, naming it
     try:
         key = (metadata(hidden_states), metadata(gate_up_proj), metadata(down_proj), metadata(topk_weights),
-               metadata(topk_ids), activation, metadata(gate_up_bias), metadata(down_bias))
+               metadata(topk_ids), activation, metadata(gate_up_bias), metadata(down_bias), pre_activations)
     except AttributeError:  # something that is not a tensor: the checks name it
         check_fused_moe_metadata(*args)
         raise
@@ -241,22 +245,23 @@ def prepared_fused(args: tuple) -> PreparedFused:
     if found is not None:
         return found
     check_fused_moe_metadata(*args)
-    return _PREPARED.keep(key, PreparedFused())
+    return _PREPARED.keep(key, PreparedFused(pre_activations))
 
 
-def _fused_moe_sycl(*args, prepared: PreparedFused | None = None):
+def _fused_moe_sycl(*args, prepared: PreparedFused):
     per_slot = _per_slot_sycl(*args, prepared=prepared)
     return per_slot.sum(dim=1).to(args[0].dtype)
 
 
 def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation,
-                   gate_up_bias, down_bias, prepared: PreparedFused | None = None,
-                   pre: torch.Tensor | None = None, sorted_tokens: tuple | None = None):
+                   gate_up_bias, down_bias, prepared: PreparedFused, pre: torch.Tensor | None = None,
+                   sorted_tokens: tuple | None = None):
     """Every (token, slot) pair's weighted expert output, float32 [T, k, H] (zeros for sentinel
     slots), before the slot sum. ``prepared``: the PreparedFused of these arguments' metadata, whose
-    launches are planned here on its first call. ``pre`` (float32 [T*k, 2I], zero-filled): the
-    first launch writes the gate/up pre-activations there and the activation runs in torch
-    (the training forward, which keeps them for the backward). ``sorted_tokens``: the routing's
+    launches are planned here on its first call. ``pre`` (float32 [T*k, 2I], zero-filled; given
+    exactly when ``prepared.pre_activations``): the first launch writes the gate/up
+    pre-activations there and the activation runs in torch (the training forward, which keeps
+    them for the backward). ``sorted_tokens``: the routing's
     ``_sort_tokens_impl`` result where the caller already has it."""
     T, H = hidden_states.shape
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
@@ -275,7 +280,9 @@ def _per_slot_sycl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_id
     w_gate_up, w_down = _k_contiguous_view(gate_up_proj), _k_contiguous_view(down_proj)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     per_slot = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    p = prepared if prepared is not None else PreparedFused()
+    p = prepared
+    if p.pre_activations != (pre is not None):
+        raise RuntimeError("moe_xpu: a fused launch planned for the other first-launch output")
     if p.gate_up is None and x.dtype == torch.bfloat16:
         probe = torch.empty(T * k, I, dtype=torch.bfloat16, device=x.device)
         args = gemm_args(probe, w_down, group_offsets, None, down_bias, per_slot)
@@ -336,7 +343,7 @@ def run_on_backend(args: tuple, fallback, sycl, **sycl_options):
     return sycl(*args, **sycl_options)
 
 
-def _fused_moe_checked(*args, prepared: PreparedFused | None = None):
+def _fused_moe_checked(*args, prepared: PreparedFused):
     """fused_moe on arguments whose metadata was checked (``prepared``: their PreparedFused)."""
     return run_on_backend(args, torch_fallback.fused_moe, _fused_moe_sycl, prepared=prepared)
 
@@ -351,12 +358,12 @@ def _zeroed_pre_activations(x: torch.Tensor, group_offsets: torch.Tensor, rows: 
     return pre
 
 
-def _fused_moe_train_sycl(*args):
+def _fused_moe_train_sycl(*args, prepared: PreparedFused):
     x, gate_up_proj, topk_ids = args[0], args[1], args[4]
     T, k, (E, I2) = x.shape[0], topk_ids.shape[1], gate_up_proj.shape[:2]
     sorted_tokens = _sort_tokens_impl(topk_ids, E)
     pre = _zeroed_pre_activations(x, sorted_tokens[1], T * k, I2 // 2)
-    per_slot = _per_slot_sycl(*args, pre=pre, sorted_tokens=sorted_tokens)
+    per_slot = _per_slot_sycl(*args, prepared=prepared, pre=pre, sorted_tokens=sorted_tokens)
     return per_slot.sum(dim=1).to(x.dtype), pre
 
 
@@ -384,8 +391,8 @@ def _fused_moe_train_op(
     with an expert here. The first launch writes them and the activation runs in torch, so the
     output can differ from ``fused_moe``'s in the last bits of the activation."""
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
-    check_fused_moe_metadata(*args)
-    return run_on_backend(args, _fused_moe_train_torch, _fused_moe_train_sycl)
+    return run_on_backend(args, _fused_moe_train_torch, _fused_moe_train_sycl,
+                          prepared=prepared_fused(args, pre_activations=True))
 
 
 @_fused_moe_train_op.register_fake
@@ -407,18 +414,16 @@ def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, top
     check_fused_moe_metadata(*args)
     if _is_quantized(gate_up_proj):
         _fail("fused_moe_per_slot takes float weights")
-    return run_on_backend(args, torch_fallback.fused_moe_per_slot, _per_slot_sycl)
+    return run_on_backend(args, torch_fallback.fused_moe_per_slot, _per_slot_sycl, prepared=prepared_fused(args))
 
 
 def _fused_moe_impl(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu",
                     gate_up_bias=None, down_bias=None):
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
-    check_fused_moe_metadata(*args)
-    return _fused_moe_checked(*args)
+    return _fused_moe_checked(*args, prepared=prepared_fused(args))
 
 
-_fused_moe_op.register_kernel("cpu")(_fused_moe_impl)
-_fused_moe_op.register_kernel("xpu")(_fused_moe_impl)
+_dispatch.register_device_kernel(_fused_moe_op, _fused_moe_impl)
 
 
 @_fused_moe_op.register_fake

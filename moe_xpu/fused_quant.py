@@ -121,8 +121,7 @@ def _op_impl(hidden_states, gate_up_data, gate_up_scale, gate_up_zero, gate_up_f
     return _run_checked(*args)
 
 
-_fused_moe_quant_op.register_kernel("cpu")(_op_impl)
-_fused_moe_quant_op.register_kernel("xpu")(_op_impl)
+_dispatch.register_device_kernel(_fused_moe_quant_op, _op_impl)
 
 
 @_fused_moe_quant_op.register_fake

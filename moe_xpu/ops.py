@@ -347,16 +347,18 @@ def _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, p: PreparedCall):
     return _run_sycl(a, b, group_offsets, gather_index, bias, p)
 
 
-@_moe_gemm_op.register_kernel("cpu")
 def _moe_gemm_cpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
     p = prepared(a, b, group_offsets, gather_index, bias, out_dtype)
     return _moe_gemm_on_cpu(a, b, group_offsets, gather_index, bias, p)
 
 
-@_moe_gemm_op.register_kernel("xpu")
 def _moe_gemm_xpu(a, b, group_offsets, gather_index=None, bias=None, out_dtype=None):
     p = prepared(a, b, group_offsets, gather_index, bias, out_dtype)
     return _moe_gemm_on_xpu(a, b, group_offsets, gather_index, bias, p)
+
+
+_dispatch.register_device_kernel(_moe_gemm_op, _moe_gemm_cpu, ("cpu",))
+_dispatch.register_device_kernel(_moe_gemm_op, _moe_gemm_xpu, ("xpu",))
 
 
 @_moe_gemm_op.register_fake

@@ -638,8 +638,7 @@ def _run_checked(a, q: QuantizedExperts, group_offsets, a_scale, gather_index, b
     return run_quant(a, q, group_offsets, a_scale, gather_index, bias, out_dtype)
 
 
-_moe_gemm_quant_op.register_kernel("cpu")(_quant_impl)
-_moe_gemm_quant_op.register_kernel("xpu")(_quant_impl)
+_dispatch.register_device_kernel(_moe_gemm_quant_op, _quant_impl)
 
 
 @_moe_gemm_quant_op.register_fake

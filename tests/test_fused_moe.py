@@ -116,6 +116,32 @@ def test_bf16_hidden_rows_on_any_second_kernel():
     check(out, x, gu, dn, w, ids, "silu", biases)
 
 
+def test_every_path_plans_once_per_metadata(monkeypatch):
+    """The torch op (taken under torch.compile, autograd and modes), the training forward and the
+    per-slot entry keep their launches' plans per call metadata as the direct call does: a repeated
+    call plans nothing (planning costs more than a small layer's kernels), and the training
+    forward's first launch (pre-activations out) is planned apart from the inference one's."""
+    from moe_xpu import _dispatch, fused
+
+    planned = []
+    real = fused.prepare_launch
+    monkeypatch.setattr(fused, "prepare_launch", lambda *a, **kw: planned.append(a[0].activation) or real(*a, **kw))
+    monkeypatch.setattr(fused, "_PREPARED", _dispatch.MetadataTable())
+    x, gu, dn, w, ids, _ = make_block(9, 40, 24, 6, 2, torch.float32)
+    calls = {"op": lambda: torch.ops.moe_xpu.fused_moe(x, gu, dn, w, ids),
+             "train": lambda: torch.ops.moe_xpu.fused_moe_train(x, gu, dn, w, ids)[0],
+             "per slot": lambda: fused.fused_moe_per_slot(x, gu, dn, w, ids).sum(1)}
+    for name, call in calls.items():
+        planned.clear()
+        first = call()
+        assert len(planned) == (2 if name != "per slot" else 0), name  # per slot: the op's plans
+        if name == "train":
+            assert planned[0] == 0  # no activation epilogue: the pre-activations are written
+        planned.clear()
+        assert torch.equal(call(), first) and not planned, name
+        check(first, x, gu, dn, w, ids, "silu", (None, None))
+
+
 @pytest.mark.parametrize("backend", ["sycl", "torch"])
 def test_both_backends(monkeypatch, backend):
     monkeypatch.setenv("MOE_XPU_BACKEND", backend)
