@@ -61,20 +61,30 @@ def _wgrad_args(C, a, grad_out, group_offsets, gather_index, out):
     return w
 
 
+def _plan_if_gathered(C, w, rows: int):
+    """The plan of launch arguments ``w`` (through an index table) had A's ``rows`` rows been
+    gathered first. Planning reads no tensor, so nothing is gathered to ask; ``w`` is left as it was."""
+    kept = w.a_rows, w.a_row_stride, w.gather_index
+    w.a_rows, w.a_row_stride, w.gather_index = rows, w.K, 0
+    try:
+        return C.plan_wgrad(w)
+    finally:
+        w.a_rows, w.a_row_stride, w.gather_index = kept
+
+
 def _wgrad_sycl(a, grad_out, group_offsets, gather_index, k_contiguous):
     a, grad_out, group_offsets = rows_contiguous(a), rows_contiguous(grad_out), group_offsets.contiguous()
     gather_index = None if gather_index is None else gather_index.contiguous()
     out = _empty_weight_grad(a, grad_out, group_offsets, k_contiguous, pooled=True)
     C = _runtime.sycl_module()
     w = _wgrad_args(C, a, grad_out, group_offsets, gather_index, out)
-    if gather_index is not None and k_contiguous and "dot_wgrad" not in C.plan_wgrad(w).kernel_name:
+    if gather_index is not None and k_contiguous and "dot_wgrad" not in C.plan_wgrad(w).kernel_name \
+            and "dot_wgrad" in _plan_if_gathered(C, w, grad_out.shape[0]).kernel_name:
         # The bf16 dot kernel computes K-contiguous dB transposed, reading A's rows in place, so not
         # through an index table: where it would run, A's rows are gathered first (rows x K, small
         # beside dB), clamped as the kernels clamp an index.
         rows = a.index_select(0, gather_index.clamp(0, a.shape[0] - 1))
-        gathered = _wgrad_args(C, rows, grad_out, group_offsets, None, out)
-        if "dot_wgrad" in C.plan_wgrad(gathered).kernel_name:
-            a, w = rows, gathered  # (a keeps the rows alive through the launch)
+        a, w = rows, _wgrad_args(C, rows, grad_out, group_offsets, None, out)  # (a keeps the rows alive)
     C.moe_gemm_wgrad(w)
     return out
 

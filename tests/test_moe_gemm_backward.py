@@ -155,6 +155,29 @@ def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N, layout):
         assert torch.equal(out, first), "worker count must not change the result"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gathered_weight_gradient_planned_without_gathering(C, dtype):
+    """dB through an index table asks the planner whether A's rows, gathered first, would take the
+    bf16 dot kernel (which reads A in place) without gathering them: the answer equals the plan of
+    arguments really gathered, and the arguments asked with are left as they were."""
+    from moe_xpu.backward import _plan_if_gathered
+
+    counts = [40, 0, 3, 77, 12]
+    E, K, N, T = len(counts), 96, 64, 70
+    a, dy = torch.randn(T, K).to(dtype), torch.randn(sum(counts), N).to(dtype)
+    gather = torch.randint(0, T, (sum(counts),))
+    offs = offsets(counts)
+    out = torch.empty(E, N, K, dtype=dtype).transpose(1, 2)
+    w = _wgrad_args(C, a, dy, offs, gather, out)
+    asked = (w.a_rows, w.a_row_stride, w.gather_index, w.a)
+    got = _plan_if_gathered(C, w, dy.shape[0])
+    rows = a.index_select(0, gather)
+    want = C.plan_wgrad(_wgrad_args(C, rows, dy, offs, None, out))
+    assert (got.kernel_name, got.num_workers, got.tile_m, got.tile_n) == \
+        (want.kernel_name, want.num_workers, want.tile_m, want.tile_n)
+    assert (w.a_rows, w.a_row_stride, w.gather_index, w.a) == asked
+
+
 def test_sum_rows_by_token_in_row_order():
     rows = torch.randn(9, 5, dtype=torch.float64)
     index = torch.tensor([2, 0, 2, 2, 4, 0, 4, 2, 1])
