@@ -134,8 +134,10 @@ def sum_rows_by_token(rows: torch.Tensor, index: torch.Tensor, num_tokens: int) 
     order = torch.argsort(index, stable=True)
     token = index[order]
     rank = torch.arange(index.numel(), device=index.device) - (counts.cumsum(0) - counts)[token]
+    slot = torch.empty_like(index)
+    slot[order] = token * width + rank  # each row's slot, so the rows are copied in one pass
     slots = rows.new_zeros(num_tokens * width, rows.shape[1])
-    slots[token * width + rank] = rows[order]
+    slots.index_copy_(0, slot, rows)
     return slots.view(num_tokens, width, rows.shape[1]).sum(1)
 
 
@@ -243,8 +245,9 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
     gate, up = pre[:, :I], pre[:, I:]
     act, slope = _activation_and_slope(activation, gate)
     h = (act * up).to(dtype)
-    grad_rows = grad.float()[gather]  # dOut of each pair's token
-    row_weight = weights.reshape(-1).float()[positions]
+    # (index_select: torch's gather by a plain index, about twice as fast on the CPU as indexing)
+    grad_rows = grad.float().index_select(0, gather)  # dOut of each pair's token
+    row_weight = weights.reshape(-1).float().index_select(0, positions)
     grad_y = (grad_rows * row_weight[:, None]).to(dtype)  # gradient of each pair's expert output
 
     # One GEMM serves both the top-k weights' gradient and h's: with g a pair's dOut and y = D h + b
@@ -257,7 +260,7 @@ def _fused_moe_backward_op(grad: torch.Tensor, x: torch.Tensor, gate_up: torch.T
         per_pair = (grad_h_unweighted * h.float()).sum(1)
         if down_bias is not None:
             pair_expert = ids.reshape(-1)[positions].long()
-            per_pair = per_pair + (grad_rows * down_bias.float()[pair_expert]).sum(1)
+            per_pair = per_pair + (grad_rows * down_bias.float().index_select(0, pair_expert)).sum(1)
         grad_weights = per_pair.new_zeros(T * k)
         grad_weights[positions] = per_pair
         grad_weights = grad_weights.view(T, k).to(weights.dtype)
