@@ -142,6 +142,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("out_stride_n", &moe_xpu::WgradArgs::out_stride_n)
       .def_readwrite("num_workers", &moe_xpu::WgradArgs::num_workers)
       .def_readwrite("engine", &moe_xpu::WgradArgs::engine)
+      .def_readwrite("calling_thread", &moe_xpu::WgradArgs::calling_thread)
       .def_readwrite("variants_for", &moe_xpu::WgradArgs::variants_for);
 
   py::class_<moe_xpu::LaunchPlan>(m, "LaunchPlan")

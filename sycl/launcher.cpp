@@ -995,9 +995,11 @@ void PreparedGemm::launch(std::uintptr_t queue, std::uintptr_t a, std::uintptr_t
 
 void moe_gemm_wgrad(const WgradArgs& args) {
   if (args.num_groups == 0 || args.K == 0 || args.N == 0) return;
-  sycl::queue& q = queue_for(args.queue);
-  const DeviceDescription& d = description_for(q, args.variants_for);
+  sycl::queue& device_queue = queue_for(args.queue);
+  const DeviceDescription& d = description_for(device_queue, args.variants_for);
   const LaunchPlan plan = plan_wgrad_for(args, d);
+  sycl::queue* inline_queue = plan.calling_thread && args.queue == 0 ? calling_thread_queue_or_null() : nullptr;
+  sycl::queue& q = inline_queue != nullptr ? *inline_queue : device_queue;
   const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   refuse_engine_the_cpu_lacks(q, plan, args.dtype);
   auto ptr = [](std::uintptr_t p) { return reinterpret_cast<void*>(p); };
@@ -1020,7 +1022,8 @@ void moe_gemm_wgrad(const WgradArgs& args) {
     h.parallel_for(sycl::nd_range<1>{sycl::range<1>(global), sycl::range<1>(wg)}, built.kernel);
   });
   if (scratch_lock.owns_lock()) scratch_lock.unlock();
-  if (args.queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
+  if (inline_queue != nullptr) q.wait_and_throw();  // the wait runs the work-groups on this thread
+  else if (args.queue == 0) with_torch_threads_parked([&] { done.wait_and_throw(); });
 }
 
 // The runtime's own cost of one launch: an empty kernel of one sub-group, submitted the way

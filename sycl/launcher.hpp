@@ -129,6 +129,7 @@ struct WgradArgs {
   std::int64_t out_stride_e = 0, out_stride_k = 0, out_stride_n = 0;
   std::int64_t num_workers = 0;  // 0 = chosen by the heuristic
   int engine = 0;                // as in GemmArgs: 0 chosen, 1 vector kernel, 2 matrix engine
+  int calling_thread = 0;        // as in GemmArgs
   std::string variants_for;      // as in GemmArgs
 };
 

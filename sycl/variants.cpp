@@ -791,6 +791,11 @@ LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
   const std::int64_t per_cu = d.is_cpu ? 16 : use_matrix ? 8 : 32;
   plan.num_workers = worker_count(d, per_cu, flops, args.num_workers, units, subgroups_per_wg);
   plan.work_group_size = subgroups_per_wg * lanes;
+  // As a forward launch (runs_on_calling_thread), a small dB runs on the calling thread; the bytes
+  // bound counts dB, which the launch writes whole.
+  const double db_bytes = double(args.num_groups) * double(args.K) * double(args.N) * double(stored_bits(args.out_dtype)) / 8.0;
+  plan.calling_thread = d.is_cpu && args.calling_thread != 1 &&
+                        (args.calling_thread == 2 || (flops <= inline_flops_limit(d) && db_bytes <= inline_bytes_limit(d)));
   return plan;
 }
 

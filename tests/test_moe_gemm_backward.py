@@ -4,6 +4,8 @@ torch.compile)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -136,7 +138,8 @@ def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N, layout):
     """The weight-gradient kernel alone: one group holding almost every row (skew), empty groups,
     K and N cut mid-tile (whole-vector and ragged last column tiles), worker counts that cut the
     unit list anywhere, the GPU generations' tiles run on the CPU device: all bitwise equal. dB
-    contiguous along K ("linear") is computed transposed, the index table on the second operand."""
+    contiguous along K ("linear") is computed transposed, the index table on the second operand.
+    The same on the runtime's thread pool and on the calling thread (small dB runs there)."""
     counts = [0, 200, 0, 3, 1]
     E, K, M = len(counts), 41, sum(counts)
     a = torch.randn(M + 5, K)
@@ -145,12 +148,12 @@ def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N, layout):
     offs = offsets(counts, torch.int64)
     _, want, _ = moe_gemm_grad_reference(a, torch.zeros(E, K, N), offs, dy, gather)
     first = None
-    for workers in [0, 1, 3, 7, 100]:
+    for workers, calling_thread in itertools.product([0, 1, 3, 7, 100], [1, 2]):
         out = torch.full((E, K, N), float("nan")) if layout == "kn" else torch.full((E, N, K), float("nan")).transpose(1, 2)
         w = _wgrad_args(C, a, dy, offs, gather, out)
-        w.num_workers, w.variants_for = workers, variants_for
+        w.num_workers, w.variants_for, w.calling_thread = workers, variants_for, calling_thread
         C.moe_gemm_wgrad(w)
-        assert_close_to(out, want, torch.float32, f"workers {workers}")
+        assert_close_to(out, want, torch.float32, f"workers {workers}, calling thread {calling_thread}")
         first = out if first is None else first
         assert torch.equal(out, first), "worker count must not change the result"
 
