@@ -411,9 +411,9 @@ def fused_moe_per_slot(hidden_states, gate_up_proj, down_proj, topk_weights, top
     to hidden_states' dtype, bit for bit (the expert parallel path sums these rows on the tokens'
     home ranks). Float weights, no autograd."""
     args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
-    check_fused_moe_metadata(*args)
-    if _is_quantized(gate_up_proj):
+    if _is_quantized(gate_up_proj) or _is_quantized(down_proj):
         _fail("fused_moe_per_slot takes float weights")
+    # prepared_fused checks the metadata (once per metadata)
     return run_on_backend(args, torch_fallback.fused_moe_per_slot, _per_slot_sycl, prepared=prepared_fused(args))
 
 

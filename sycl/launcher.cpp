@@ -94,6 +94,12 @@ sycl::queue* calling_thread_queue_or_null() {
   return q;
 }
 
+// The calling thread's queue for a launch planned there (`calling_thread`) on the CPU device
+// queue (`queue` 0); nullptr otherwise, the launch then takes queue_for(queue).
+sycl::queue* calling_thread_queue_for(bool calling_thread, std::uintptr_t queue) {
+  return calling_thread && queue == 0 ? calling_thread_queue_or_null() : nullptr;
+}
+
 // torch's OpenMP runtime (libgomp in torch's wheels; Intel's libiomp5 exports the same entry
 // points), found among the libraries the process has loaded.
 struct OpenMpRuntime {
@@ -730,7 +736,7 @@ ResolvedLaunch resolve(const GemmArgs& args) {
   const DeviceDescription& d = description_for(device_queue, args.variants_for);
   r.plan = plan_for(args, d);
   r.cpu_device = args.queue == 0;
-  sycl::queue* inline_queue = r.plan.calling_thread && r.cpu_device ? calling_thread_queue_or_null() : nullptr;
+  sycl::queue* inline_queue = calling_thread_queue_for(r.plan.calling_thread, args.queue);
   r.on_calling_thread = inline_queue != nullptr;
   r.queue = r.on_calling_thread ? inline_queue : &device_queue;
   r.built = &planned_kernel(*r.queue, d, args.dtype, args.out_dtype, r.plan);
@@ -998,7 +1004,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
   sycl::queue& device_queue = queue_for(args.queue);
   const DeviceDescription& d = description_for(device_queue, args.variants_for);
   const LaunchPlan plan = plan_wgrad_for(args, d);
-  sycl::queue* inline_queue = plan.calling_thread && args.queue == 0 ? calling_thread_queue_or_null() : nullptr;
+  sycl::queue* inline_queue = calling_thread_queue_for(plan.calling_thread, args.queue);
   sycl::queue& q = inline_queue != nullptr ? *inline_queue : device_queue;
   const BuiltKernel& built = planned_kernel(q, d, args.dtype, args.out_dtype, plan);
   refuse_engine_the_cpu_lacks(q, plan, args.dtype);
@@ -1029,7 +1035,7 @@ void moe_gemm_wgrad(const WgradArgs& args) {
 // The runtime's own cost of one launch: an empty kernel of one sub-group, submitted the way
 // moe_gemm submits and, on the CPU device queue, waited for. Built once per device.
 void launch_empty(std::uintptr_t queue, bool calling_thread) {
-  sycl::queue* inline_queue = calling_thread && queue == 0 ? calling_thread_queue_or_null() : nullptr;
+  sycl::queue* inline_queue = calling_thread_queue_for(calling_thread, queue);
   sycl::queue& q = inline_queue != nullptr ? *inline_queue : queue_for(queue);
   struct Empty {
     sycl::kernel kernel;

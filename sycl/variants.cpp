@@ -568,17 +568,22 @@ std::int64_t forward_workers(const GemmArgs& args, const LaunchPlan& plan, const
   return worker_count(d, workers_per_cu, flops, args.num_workers, max_units, subgroups_per_wg);
 }
 
-// Whether a forward launch runs on the calling thread (CPU device; see inline_flops_limit and
-// inline_bytes_limit), or as the launch asks (GemmArgs::calling_thread).
+// Whether a launch runs on the calling thread (CPU device; see inline_flops_limit and
+// inline_bytes_limit), or as the launch asks (`asked`: 0 by size, 1 never, 2 always).
+bool runs_on_calling_thread(const DeviceDescription& d, int asked, double flops, double bytes) {
+  if (!d.is_cpu || asked == 1) return false;
+  if (asked == 2) return true;
+  return flops <= inline_flops_limit(d) && bytes <= inline_bytes_limit(d);
+}
+
+// A forward launch: the bytes bound counts the weights it may stream.
 bool runs_on_calling_thread(const GemmArgs& args, const DeviceDescription& d) {
-  if (!d.is_cpu || args.calling_thread == 1) return false;
-  if (args.calling_thread == 2) return true;
   const double columns = double(args.N) * (args.activation != 0 ? 2.0 : 1.0);  // gated: gate and up columns
   const double flops = 2.0 * double(args.out_rows) * double(args.K) * columns;
-  // The weights it may stream: every row in a group of its own at most (no routing counts on the host).
+  // Every row in a group of its own at most (no routing counts on the host).
   const double groups = double(std::min(args.num_groups, args.out_rows));
   const double weight_bytes = groups * double(args.K) * columns * double(stored_bits(args.dtype)) / 8.0;
-  return flops <= inline_flops_limit(d) && weight_bytes <= inline_bytes_limit(d);
+  return runs_on_calling_thread(d, args.calling_thread, flops, weight_bytes);
 }
 
 // The plan of a launch with quantized B: the quantized family (gated with an activation), the
@@ -791,11 +796,10 @@ LaunchPlan plan_wgrad_for(const WgradArgs& args, const DeviceDescription& d) {
   const std::int64_t per_cu = d.is_cpu ? 16 : use_matrix ? 8 : 32;
   plan.num_workers = worker_count(d, per_cu, flops, args.num_workers, units, subgroups_per_wg);
   plan.work_group_size = subgroups_per_wg * lanes;
-  // As a forward launch (runs_on_calling_thread), a small dB runs on the calling thread; the bytes
-  // bound counts dB, which the launch writes whole.
+  // As a forward launch, a small dB runs on the calling thread; the bytes bound counts dB, which
+  // the launch writes whole.
   const double db_bytes = double(args.num_groups) * double(args.K) * double(args.N) * double(stored_bits(args.out_dtype)) / 8.0;
-  plan.calling_thread = d.is_cpu && args.calling_thread != 1 &&
-                        (args.calling_thread == 2 || (flops <= inline_flops_limit(d) && db_bytes <= inline_bytes_limit(d)));
+  plan.calling_thread = runs_on_calling_thread(d, args.calling_thread, flops, db_bytes);
   return plan;
 }
 

@@ -188,9 +188,11 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("entry", ["fused_moe", "per_slot"])
 @pytest.mark.parametrize("backend", ["sycl", "torch"])
 @pytest.mark.parametrize("name,change,message", BAD, ids=[b[0] for b in BAD])
-def test_bad_input(monkeypatch, backend, name, change, message):
+def test_bad_input(monkeypatch, backend, name, change, message, entry):
+    """Both entry points (the per-slot one feeds expert parallelism) raise naming the argument."""
     monkeypatch.setenv("MOE_XPU_BACKEND", backend)
     x, gu, dn, w, ids, _ = make_block(6, 32, 16, 4, 2, torch.float32)
     kwargs = {}
@@ -209,7 +211,18 @@ def test_bad_input(monkeypatch, backend, name, change, message):
     if "ids_float" in change:
         ids = ids.float()
     with pytest.raises((ValueError, TypeError), match=message):
-        moe_xpu.fused_moe(x, gu, dn, w, ids, **kwargs)
+        if entry == "fused_moe":
+            moe_xpu.fused_moe(x, gu, dn, w, ids, **kwargs)
+        else:
+            moe_xpu.fused.fused_moe_per_slot(x, gu, dn, w, ids, kwargs.get("activation", "silu"),
+                                             kwargs.get("gate_up_bias"))
+
+
+def test_per_slot_refuses_quantized_weights():
+    x, gu, dn, w, ids, _ = make_block(6, 32, 16, 4, 2, torch.float32)
+    q = moe_xpu.quantize_experts(dn.transpose(1, 2), "int8")
+    with pytest.raises(ValueError, match="fused_moe_per_slot takes float weights"):
+        moe_xpu.fused.fused_moe_per_slot(x, gu, q, w, ids)
 
 
 def sample_inputs():
