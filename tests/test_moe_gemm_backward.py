@@ -158,6 +158,51 @@ def test_weight_gradient_kernel_workers_and_tiles(C, variants_for, N, layout):
         assert torch.equal(out, first), "worker count must not change the result"
 
 
+def _bf16_rounding_cases(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 pairs (hi, lo) whose float32 sum is exact and lands on bf16's rounding cases: ties
+    (which go to even, up or down), values a quarter ulp either side of one, the largest finite
+    bf16 plus half an ulp (rounds to infinity), infinities and NaN."""
+    hi = torch.randn(n, generator=gen).bfloat16()
+    ulp = torch.ldexp(torch.ones(n), torch.frexp(hi.float()).exponent - 8)  # bf16 ulp at hi
+    fraction = torch.tensor([0.5, -0.5, 0.25, 0.75, -0.75, 0.0])[torch.randint(0, 6, (n,), generator=gen)]
+    lo = (ulp * fraction).bfloat16()
+    hi[:4] = torch.tensor([torch.finfo(torch.bfloat16).max, float("inf"), float("-inf"), float("nan")])
+    lo[:4] = torch.tensor([torch.finfo(torch.bfloat16).max * 2.0 ** -8, 1.0, 1.0, 1.0])
+    assert torch.equal((hi.double() + lo.double()).float().double()[4:], (hi.double() + lo.double())[4:])
+    return hi, lo
+
+
+def _assert_rounded_like_torch(got: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """Bitwise torch's float32 -> bf16 rounding, NaN where it gives NaN (its payload may differ)."""
+    want = exact.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), what
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), what
+
+
+@pytest.mark.parametrize("layout", ["kn", "linear"])
+def test_bf16_outputs_round_like_torch(layout):
+    """The kernels' float32 -> bf16 conversion (the forward's epilogue, and the weight gradient's
+    whole and partial tiles) against torch's: round to nearest even, overflow to infinity, NaN
+    kept. Each output is one exact float32 sum hi + lo of bf16 values."""
+    gen = torch.Generator().manual_seed(5)
+    E, K, N = 2, 9, 80  # whole and partial tiles along both of dB's dimensions
+    hi, lo = _bf16_rounding_cases(E * N, gen)
+    exact = hi.float() + lo.float()
+    # Forward: a row [1, 1] times B's two rows (hi; lo) of each group.
+    b = torch.stack([hi.view(E, N), lo.view(E, N)], dim=1)  # [E, 2, N]
+    b = b if layout == "kn" else b.transpose(1, 2).contiguous().transpose(1, 2)
+    a = torch.ones(E * 3, 2, dtype=torch.bfloat16)
+    out = moe_xpu.moe_gemm(a, b, offsets([3, 3]))
+    _assert_rounded_like_torch(out, exact.view(E, 1, N).expand(E, 3, N).reshape(E * 3, N), f"forward, {layout}")
+    # Weight gradient: two rows of A of ones per group, dY rows hi and lo, so dB[g, k, n] = hi + lo.
+    a = torch.ones(2 * E, K, dtype=torch.bfloat16, requires_grad=True)
+    weights = make_b(E, K, N, torch.bfloat16, layout).requires_grad_()
+    grad_out = torch.stack([hi.view(E, N), lo.view(E, N)], dim=1).reshape(2 * E, N)
+    moe_xpu.moe_gemm(a, weights, offsets([2, 2])).backward(grad_out)
+    _assert_rounded_like_torch(weights.grad, exact.view(E, 1, N).expand(E, K, N), f"weight gradient, {layout}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gathered_weight_gradient_planned_without_gathering(C, dtype):
     """dB through an index table asks the planner whether A's rows, gathered first, would take the
