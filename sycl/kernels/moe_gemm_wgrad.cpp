@@ -99,26 +99,23 @@ void moe_gemm_wgrad(const T* a, int64_t a_row_stride, int64_t a_rows, const void
         });
       }
       TOut* out_g = out + g * out_stride_e;
-      if (out_stride_n == 1 && full && k0 + TK <= K) {
-        // A whole tile: plain vector stores. (With the bounds tested per store, each store is
-        // masked and its mask built from two 64-bit compares: as many instructions as the
-        // conversion, which is what a tile of few rows spends its time on.)
-        #pragma unroll
-        for (int i = 0; i < TK; ++i) {
-          TOut* out_lane = out_g + (k0 + i) * out_stride_k + n0 + w.lane;
-          #pragma unroll
-          for (int j = 0; j < TN; ++j) out_lane[kLanes * j] = FromFloat<TOut>::convert(acc[i][j]);
-        }
-      } else if (out_stride_n == 1) {
-        // Lane-consecutive stores (dB N-contiguous, as the launcher always arranges for dense dB);
-        // through the general strides below every store is a scatter.
+      // Lane-consecutive stores (dB N-contiguous, as the launcher always arranges for dense dB),
+      // with the bounds test as a parameter: a whole tile gets plain vector stores. (Tested per
+      // store, each store is masked and its mask built from two 64-bit compares: as many
+      // instructions as the conversion, which is what a tile of few rows spends its time on.)
+      auto store_rows = [&](auto in_bounds) {
         #pragma unroll
         for (int i = 0; i < TK; ++i) {
           TOut* out_lane = out_g + (k0 + i) * out_stride_k + n0 + w.lane;
           #pragma unroll
           for (int j = 0; j < TN; ++j)
-            if (k0 + i < K && col[j] < N) out_lane[kLanes * j] = FromFloat<TOut>::convert(acc[i][j]);
+            if (in_bounds(i, j)) out_lane[kLanes * j] = FromFloat<TOut>::convert(acc[i][j]);
         }
+      };
+      if (out_stride_n == 1 && full && k0 + TK <= K) {
+        store_rows([](int, int) { return true; });
+      } else if (out_stride_n == 1) {
+        store_rows([&](int i, int j) { return k0 + i < K && col[j] < N; });
       } else {
         #pragma unroll
         for (int i = 0; i < TK; ++i)
