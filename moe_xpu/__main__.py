@@ -62,8 +62,9 @@ def info(warm_up: bool = False) -> None:
         print(f"  tuning         vector class {t['vector_class']} ({t['vector_width']} floats a register): "
               f"K-split tiles {shapes(t['k_lanes_tiles'])}, N-split tiles {shapes(t['n_lanes_tiles'])} "
               f"(16-bit B: {shapes(t['n_lanes_tiles_16bit'])}) "
-              f"(rows x columns per lane group; decode shape first); 4-bit weights decoded "
-              f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'}")
+              f"(rows x columns per lane group; decode shape first); quantized weights' tiles "
+              f"{shapes(t['quant_tiles_8bit'])} (8-bit), {shapes(t['quant_tiles_4bit'])} (4-bit, decoded "
+              f"{'by a sub-group table lookup' if t['nibble_lookup'] else 'arithmetically'})")
         print("  bf16 dot       " + ("AVX512-BF16 (vdpbf16ps) kernels for bf16 A and B where groups average "
                                      "more than 2 rows (weights contiguous along K, or along N in 64-column "
                                      "tiles), and for bf16 weight gradients of groups of 2 rows or more (N in "

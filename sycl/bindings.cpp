@@ -32,6 +32,8 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
                   py::arg("k_lanes_tiles") = tiles(Family::k_lanes, DType::float32),
                   py::arg("n_lanes_tiles") = tiles(Family::n_lanes, DType::float32),
                   py::arg("n_lanes_tiles_16bit") = tiles(Family::n_lanes, DType::bfloat16),
+                  py::arg("quant_tiles_8bit") = tiles(Family::quant, DType::int8),
+                  py::arg("quant_tiles_4bit") = tiles(Family::quant, DType::int4),
                   py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d), py::arg("bf16_dot") = d.bf16_dot,
                   py::arg("int8_dot") = d.int8_dot,
                   py::arg("inline_flops") = moe_xpu::inline_flops_limit(d),

@@ -200,6 +200,10 @@ bool nibble_lookup(const DeviceDescription& d) {
   return forced >= 0 ? forced == 1 : (!d.is_cpu || d.vector_width >= 16);
 }
 
+// The quantized kernels' tallest CPU tile for 4-bit formats decoded by lookup (see family_tiles):
+// 4 x 4 measured faster than 8 x 2 on every multi-row bench case (docs/performance_targets.md).
+constexpr TileShape kLookupTallTile{4, 4};
+
 std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType t) {
   switch (f) {
     case Family::k_lanes:
@@ -215,9 +219,18 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
       if (d.is_cpu) {
         // A third tile of 4 rows for groups of 3-4 rows, where the tall tile's padding rows cost
         // a third of its FMAs (16tok-E8 on AMX, whose engine tiles take 5+ rows).
+        // 4-bit formats decoded by lookup keep a word and a table register per column beside the
+        // accumulators; with more than 16 accumulators (k_lanes' {6, 4}, and {12, 2}) the CPU
+        // compiler ran out of registers and compiled the whole tile masked, A read by gathers
+        // (Ice Lake class: int4 groups of 5 rows took 15x the time of groups of 4). Their tallest
+        // tile is kLookupTallTile.
         const CpuTileTable& table = cpu_tile_table(d);
         std::vector<TileShape> tiles(std::begin(table.k_lanes), std::end(table.k_lanes));
-        if (tiles.back().tile_m > 4) tiles.push_back(TileShape{4, tiles.back().tile_n});
+        const TileShape tall = tiles.back();
+        if ((t == DType::int4 || t == DType::mxfp4) && nibble_lookup(d) &&
+            tall.tile_m * tall.tile_n > kLookupTallTile.tile_m * kLookupTallTile.tile_n)
+          tiles.back() = kLookupTallTile;
+        if (tiles.back().tile_m > 4) tiles.push_back(TileShape{4, tall.tile_n});
         return tiles;
       }
       return {TileShape{1, 4}, TileShape{2, 4}};

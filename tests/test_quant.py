@@ -182,24 +182,26 @@ def test_repeated_metadata_reads_each_calls_tensors(fmt, kw):
         moe_xpu.moe_gemm(xs[0], qs[0], offsets([3, 0, 1, 6]).flip(0))
 
 
+@pytest.mark.parametrize("counts", [[4, 3, 0, 4, 1, 4, 4, 4], [5, 13, 0, 8, 7, 1, 9]], ids=["3-rows", "6-rows"])
 @pytest.mark.parametrize("fmt,kw", [FORMATS[0], FORMATS[3], FORMATS[5]], ids=["int8", "int4", "mxfp4"])
-def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw):
+def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw, counts):
     """Groups of 3-4 rows get a 4-row tile where the CPU's tall tile is taller (its padding rows
-    would be a third of the FMAs); one-row, tall and 4-row tiles compute each row the same way, so
-    the planner's choice changes no bit, and the result matches float64."""
-    counts, K, N = [4, 3, 0, 4, 1, 4, 4, 4], 256, 40  # 3 rows a group
+    would be a third of the FMAs), larger groups the tall tile (for 4-bit formats decoded by
+    lookup a narrower one than the float kernels': see family_tiles); one-row, tall and 4-row
+    tiles compute each row the same way, so the planner's choice changes no bit, and the result
+    matches float64."""
+    K, N = 256, 40
     q = moe_xpu.quantize_experts(torch.randn(len(counts), N, K).transpose(1, 2), fmt, **kw)
     a = torch.randn(sum(counts), K)
     go = offsets(counts)
-    tiles = list(C.tile_shapes(True))
-    tall_m, tall_n = tiles[-1]
-    if tall_m > 4:
-        tiles.append((4, tall_n))
+    tiles = [tuple(t) for t in C.device_description(0)["quant_tiles_4bit" if fmt in ("int4", "mxfp4") else "quant_tiles_8bit"]]
+    rows_per_group = sum(counts) / len(counts)
+    expected = tiles[-1] if rows_per_group <= 4 and tiles[1][0] > 4 else tiles[1]
     plans = []
     out = quant.run_quant(a, q, go, None, None, None, torch.float32,
                           configure=lambda args: plans.append(C.plan_gemm(args)))
     assert plans[0].kernel_name.startswith("moe_xpu::moe_gemm_quant<")
-    assert plans[0].tile_m == min(tall_m, 4), plans[0].kernel_name
+    assert (plans[0].tile_m, plans[0].tile_n) == expected, plans[0].kernel_name
     assert_quant_close(out, a, q.dequantize(), go)
 
     def forced(tile):
