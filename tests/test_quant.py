@@ -194,7 +194,8 @@ def test_every_quantized_tile_gives_the_same_bits(C, fmt, kw, counts):
     q = moe_xpu.quantize_experts(torch.randn(len(counts), N, K).transpose(1, 2), fmt, **kw)
     a = torch.randn(sum(counts), K)
     go = offsets(counts)
-    tiles = [tuple(t) for t in C.device_description(0)["quant_tiles_4bit" if fmt in ("int4", "mxfp4") else "quant_tiles_8bit"]]
+    width = "quant_tiles_4bit" if fmt in ("int4", "mxfp4") else "quant_tiles_8bit"
+    tiles = [tuple(t) for t in C.device_description(0)[width]]
     rows_per_group = sum(counts) / len(counts)
     expected = tiles[-1] if rows_per_group <= 4 and tiles[1][0] > 4 else tiles[1]
     plans = []
