@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -311,8 +312,63 @@ std::string run_dot_probe(sycl::queue& q, sycl::kernel k, const std::vector<T>& 
 }
 
 struct DotStatus {
-  std::string bf16, int8;  // "" where the family may run, else why not
+  std::string bf16, int8, nibble;  // "" where the family may run, else why not
 };
+
+// The 4-bit kernel's self-check (moe_xpu_nibble_dot_probe): one 4 x 4 tile over two blocks of 128
+// k with small integer A, codes covering all 16 values and power-of-two scales, so every sum is
+// exact, for each of its four scale forms.
+std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
+  constexpr int kK = 256, kBlocks = kK / 128, kGroups = kK / 32, kCols = kNibbleCols;
+  auto a_value = [](int i, int kk) { return (i * 7 + kk * 3) % 11 - 5; };
+  auto code = [](int c, int kk) { return (c * 5 + kk * 7 + kk / 3) % 16; };
+  auto bf16_of = [](float f) {
+    std::uint32_t u = 0;
+    std::memcpy(&u, &f, 4);
+    return std::uint16_t(u >> 16);
+  };
+  std::vector<std::uint16_t> a(kNibbleRows * kK);
+  for (int i = 0; i < kNibbleRows; ++i)
+    for (int kk = 0; kk < kK; ++kk) a[i * kK + kk] = bf16_of(float(a_value(i, kk)));
+  // The packed lines: byte 4 l + r / 2 of column c's line in block blk holds k = blk 128 + 16 r + l.
+  std::vector<std::uint8_t> bytes(kBlocks * 512 + kCols * kGroups * 5, 0);
+  for (int c = 0; c < 8; ++c)
+    for (int kk = 0; kk < kK; ++kk) {
+      const int blk = kk / 128, r = (kk % 128) / 16, l = kk % 16;
+      bytes[blk * 512 + c * 64 + 4 * l + r / 2] |= std::uint8_t(code(c, kk) << (4 * (r % 2)));
+    }
+  auto f32_scale = [](int c, int t) { return std::ldexp(1.0f, (c + t) % 5 - 2); };
+  auto e8m0 = [](int c, int t) { return 127 + (c + 2 * t) % 5 - 2; };
+  for (int c = 0; c < kCols; ++c)
+    for (int t = 0; t < kGroups; ++t) {
+      const float f = f32_scale(c, t);
+      std::memcpy(&bytes[kBlocks * 512 + (c * kGroups + t) * 4], &f, 4);
+      bytes[kBlocks * 512 + kCols * kGroups * 4 + c * kGroups + t] = std::uint8_t(e8m0(c, t));
+    }
+  std::vector<std::uint16_t> b((bytes.size() + 1) / 2, 0);
+  std::memcpy(b.data(), bytes.data(), bytes.size());
+  const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  std::vector<float> expected(4 * 16, 0.0f);
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < kNibbleRows; ++i)
+      for (int j = 0; j < kCols; ++j) {
+        const int per_block = v == 0 ? 1 : v == 1 ? 2 : 4;  // scales a block
+        float acc = 0.0f;
+        for (int blk = 0; blk < kBlocks; ++blk)
+          for (int s = 0; s < per_block; ++s) {
+            float t = 0.0f;
+            for (int kk = blk * 128 + s * (128 / per_block); kk < blk * 128 + (s + 1) * (128 / per_block); ++kk) {
+              const int q = code(j, kk);
+              const float w = v < 3 ? float(q - 8) : (q & 8 ? -e2m1[q & 7] : e2m1[q & 7]);
+              t += float(a_value(i, kk)) * w;
+            }
+            const int idx = blk * per_block + s;
+            acc += t * (v < 3 ? f32_scale(j, idx) : std::ldexp(1.0f, e8m0(j, idx) - 127));
+          }
+        expected[16 * v + i * kCols + j] = acc;
+      }
+  return run_dot_probe(q, k, a, b, kK, expected);
+}
 
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:
 // their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
@@ -325,6 +381,7 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
   std::vector<std::string> names;
   if (status.bf16.empty()) names.insert(names.end(), {"moe_xpu_dot_probe", "moe_xpu_n_dot_probe"});
   if (status.int8.empty()) names.push_back("moe_xpu_int8_dot_probe");
+  if (status.nibble.empty()) names.push_back("moe_xpu_nibble_dot_probe");
   if (names.empty()) return status;
   try {
     std::string log;
@@ -372,10 +429,12 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
       }
       status.int8 = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_int8_dot_probe"), a, b, kK, expected);
     }
+    if (status.nibble.empty()) status.nibble = nibble_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_nibble_dot_probe"));
   } catch (const sycl::exception& e) {
     const std::string failed = std::string("none: the kernels' self-check failed: ") + e.what();
     if (status.bf16.empty()) status.bf16 = failed;
     if (status.int8.empty()) status.int8 = failed;
+    if (status.nibble.empty()) status.nibble = failed;
   }
   return status;
 }
@@ -386,7 +445,8 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
 const DotStatus& dot_status(const sycl::queue& q) {
   static const DotStatus* status = [&] {
     return new DotStatus(dot_probes(q, DotStatus{cpu_dot_refusal("MOE_XPU_BF16_DOT", cpu_has_avx512_bf16, "AVX512-BF16"),
-                                                 cpu_dot_refusal("MOE_XPU_INT8_DOT", cpu_has_avx512_vnni, "AVX512-VNNI")}));
+                                                 cpu_dot_refusal("MOE_XPU_INT8_DOT", cpu_has_avx512_vnni, "AVX512-VNNI"),
+                                                 cpu_dot_refusal("MOE_XPU_NIBBLE_DOT", cpu_has_avx512_bf16, "AVX512-BF16")}));
   }();
   return *status;
 }
@@ -451,6 +511,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.compute_units = dev.get_info<sycl::info::device::max_compute_units>();
   d.bf16_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).bf16.empty();
   d.int8_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).int8.empty();
+  d.nibble_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).nibble.empty();
   if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
@@ -610,7 +671,9 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
   // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
   // each target its own cache directory.)
   std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n" +
-                                             (t == DType::int8 && d.int8_dot ? std::string(kMoeGemmDotSource) + "\n" : std::string())
+                                             ((t == DType::int8 && d.int8_dot) || ((t == DType::int4 || t == DType::mxfp4) && d.nibble_dot)
+                                                  ? std::string(kMoeGemmDotSource) + "\n"
+                                                  : std::string())
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
   if (t == DType::bfloat16 && d.bf16_dot) source += std::string(kMoeGemmDotSource) + "\n";
@@ -1075,10 +1138,11 @@ bool native_cpu_launches() {
   return q != nullptr && native_calls_or_null(*q) != nullptr;
 }
 
-std::string dot_state(bool int8) {
+std::string dot_state(const std::string& family) {
   sycl::queue* q = cpu_queue_or_null();
   if (q == nullptr) return "none: no SYCL CPU device";
-  const std::string& status = int8 ? dot_status(*q).int8 : dot_status(*q).bf16;
+  const DotStatus& all = dot_status(*q);
+  const std::string& status = family == "int8" ? all.int8 : family == "nibble" ? all.nibble : all.bf16;
   return status.empty() ? "on" : status;
 }
 

@@ -215,7 +215,7 @@ void launch_empty(std::uintptr_t queue = 0, bool calling_thread = false);
 std::string parked_openmp_library();
 // "on" where the dot-product kernels run on the CPU device, else why not (python -m moe_xpu info):
 // the bf16 ones (int8 false) or the W8A8 one (int8 true).
-std::string dot_state(bool int8);
+std::string dot_state(const std::string& family);  // "bf16", "int8" or "nibble"
 // Whether prepared launches on the CPU device are enqueued through OpenCL directly (false: through
 // SYCL; MOE_XPU_NATIVE_LAUNCH=0, or no OpenCL CPU device).
 bool native_cpu_launches();

@@ -228,8 +228,12 @@ def test_widened_activations_give_the_16_bit_kernels_bits(C, fmt, kw, dtype):
     gi = torch.randint(0, 30, (sum(counts),))
     bias = torch.randn(len(counts), N).to(dtype)
     seen = []
-    out = quant.run_quant(a, q, go, None, gi, bias, dtype,
-                          configure=lambda args: seen.append((args, C.plan_gemm(args))))
+
+    def configure(args):  # the vector kernels (4-bit B with bf16 A may take the dot-product kernel)
+        args.engine = 1
+        seen.append((args, C.plan_gemm(args)))
+
+    out = quant.run_quant(a, q, go, None, gi, bias, dtype, configure=configure)
     (args, plan), = seen
     assert plan.widen_a  # the 16-bit plan asked for float32 A; the launch was planned for it
     assert args.a_dtype == args.out_dtype == C.DType.float32 and not C.plan_gemm(args).widen_a

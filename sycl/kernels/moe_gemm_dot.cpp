@@ -115,7 +115,6 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
 }
 
 #undef MOE_XPU_DOT_COLUMN
-#undef MOE_XPU_DOT_SUM
 
 // W8A8 (AVX512-VNNI): one column of the 4 x 6 tile for one 64-element k step. vpdpbusd multiplies
 // unsigned bytes by signed ones, so A's bytes are flipped to A + 128 (xor 0x80, zmm29) as they are
@@ -565,8 +564,6 @@ inline void n_dot_tile_store_bf16(const uint16_t* const (&a_end)[kNDotRows], con
 #undef MOE_XPU_NDOT_ROWS_4
 #undef MOE_XPU_NDOT_ROWS_6
 #undef MOE_XPU_NDOT_LOOP
-#undef MOE_XPU_DOT_ZERO_TILE
-#undef MOE_XPU_DOT_TILE_SUMS
 
 // Where column c (0..63) of tile row i sits in n_dot_tile_sums' output.
 inline int n_dot_sum_index(int i, int c) { return i * kNDotCols + c; }
@@ -731,7 +728,254 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// 4-bit weights (symmetric int4 or one zero point for the launch, MXFP4) with bf16 activations on
+// AVX512-BF16: the packed words (moe_gemm_quant.cpp's layout) decoded to exact bf16 values in
+// registers and multiplied with vdpbf16ps, where the vector kernel widens every value to float32
+// and issues one FMA per weight and row. A column's block of 128 k is one 64-byte line whose word
+// l holds k = 16 r + l in bits 4 r .. 4 r + 3, so its byte 4 l + c holds k = 32 c + l (low
+// nibble) and 32 c + 16 + l (high nibble). Two vpermw of the line (words 2 l and 2 l + 1 of it,
+// each placed twice: zmm17, zmm18) put bytes 4 l + {0, 1} and 4 l + {2, 3} into the words of lanes
+// l and l + 16; vpsrlvw by 0 | 4 or 8 | 12 bits (zmm19, zmm20) brings the nibble of k = 32 c + w
+// into the low bits of word w; vpermw of the 16-code table (the codes' values as bf16, placed
+// twice, so the bit above the nibble does not matter: zmm16) decodes them: the 32 weights of
+// sub-block c in k order, ten instructions per 128 weights. A is read in place by the dot products
+// (memory operands). The codes' values are exact in bf16 (int4: q - z, integers; e2m1: halves up
+// to 6), their products with bf16 A exact in float32; each scale block's dot products go into a
+// zeroed register, scaled once by an FMA into the accumulator: the scale is applied in float, as
+// the vector kernel applies it, never rounded into bf16 weights.
+//
+// Tile: 4 rows x 4 columns (a half chunk of the packed layout: its columns' lines lie side by
+// side, 256 bytes a block), accumulators zmm0-15 (acc[i][j] in zmm(4 i + j)), the decoded
+// sub-blocks zmm23-26, each row's block sums zmm27-30, the scale zmm31. The local area (floats):
+// [0, 80) the table, word indices and shift counts as loaded above, [80, 96) the tile's sums (the
+// assembly's pointer, the rest addressed from it), [96, 352) the e8m0 scales as floats (MXFP4).
+constexpr int64_t kNibbleSums = 80;
+constexpr int64_t kNibbleE8m0 = 96;
+
+#define MOE_XPU_NIB_DECODE(j)                               \
+  "vpermw " #j "*64(%[b],%[ko],2), %%zmm17, %%zmm21\n\t"    \
+  "vpermw " #j "*64(%[b],%[ko],2), %%zmm18, %%zmm22\n\t"    \
+  "vpsrlvw %%zmm19, %%zmm21, %%zmm23\n\t"                   \
+  "vpsrlvw %%zmm20, %%zmm21, %%zmm24\n\t"                   \
+  "vpsrlvw %%zmm19, %%zmm22, %%zmm25\n\t"                   \
+  "vpsrlvw %%zmm20, %%zmm22, %%zmm26\n\t"                   \
+  "vpermw %%zmm16, %%zmm23, %%zmm23\n\t"                    \
+  "vpermw %%zmm16, %%zmm24, %%zmm24\n\t"                    \
+  "vpermw %%zmm16, %%zmm25, %%zmm25\n\t"                    \
+  "vpermw %%zmm16, %%zmm26, %%zmm26\n\t"
+#define MOE_XPU_NIB_DOT(i, c, d, t) "vdpbf16ps " #c "*64(%[a" #i "],%[ko]), %%zmm" #d ", %%zmm" #t "\n\t"
+#define MOE_XPU_NIB_ZERO(t) "vpxord %%zmm" #t ", %%zmm" #t ", %%zmm" #t "\n\t"
+#define MOE_XPU_NIB_FMA(t, r) "vfmadd231ps %%zmm31, %%zmm" #t ", %%zmm" #r "\n\t"
+// Scale q of column j's block into zmm31: float32 scales (one per scale block, K contiguous), or
+// MXFP4's e8m0 bytes converted through the local table (2^(s - 127); 0 and 255 as the vector
+// kernel reads them).
+#define MOE_XPU_NIB_SCALE_F32(j, q) "vbroadcastss " #q "*4(%[s" #j "]), %%zmm31\n\t"
+#define MOE_XPU_NIB_SCALE_E8M0(j, q) \
+  "movzbq " #q "(%[s" #j "]), %[tmp]\n\t" "vbroadcastss 64(%[sums],%[tmp],4), %%zmm31\n\t"
+// One scale per block (int4 groups of 128), two (groups of 64), four (groups of 32, MXFP4).
+#define MOE_XPU_NIB_ROW1(i, t, r)                                                                   \
+  MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, 0, 23, t) MOE_XPU_NIB_DOT(i, 1, 24, t)                    \
+  MOE_XPU_NIB_DOT(i, 2, 25, t) MOE_XPU_NIB_DOT(i, 3, 26, t) MOE_XPU_NIB_FMA(t, r)
+#define MOE_XPU_NIB_ROW2(i, t, r, c0, d0, c1, d1) \
+  MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, c0, d0, t) MOE_XPU_NIB_DOT(i, c1, d1, t) MOE_XPU_NIB_FMA(t, r)
+#define MOE_XPU_NIB_ROW4(i, t, r, c, d) MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, c, d, t) MOE_XPU_NIB_FMA(t, r)
+#define MOE_XPU_NIB_COLUMN1(SCALE, j, r0, r1, r2, r3)                                               \
+  MOE_XPU_NIB_DECODE(j) SCALE(j, 0) MOE_XPU_NIB_ROW1(0, 27, r0) MOE_XPU_NIB_ROW1(1, 28, r1)        \
+  MOE_XPU_NIB_ROW1(2, 29, r2) MOE_XPU_NIB_ROW1(3, 30, r3)
+#define MOE_XPU_NIB_HALF(SCALE, j, q, c0, d0, c1, d1, r0, r1, r2, r3)                                \
+  SCALE(j, q) MOE_XPU_NIB_ROW2(0, 27, r0, c0, d0, c1, d1) MOE_XPU_NIB_ROW2(1, 28, r1, c0, d0, c1, d1) \
+  MOE_XPU_NIB_ROW2(2, 29, r2, c0, d0, c1, d1) MOE_XPU_NIB_ROW2(3, 30, r3, c0, d0, c1, d1)
+#define MOE_XPU_NIB_COLUMN2(SCALE, j, r0, r1, r2, r3)                         \
+  MOE_XPU_NIB_DECODE(j) MOE_XPU_NIB_HALF(SCALE, j, 0, 0, 23, 1, 24, r0, r1, r2, r3) \
+  MOE_XPU_NIB_HALF(SCALE, j, 1, 2, 25, 3, 26, r0, r1, r2, r3)
+#define MOE_XPU_NIB_QUARTER(SCALE, j, q, d, r0, r1, r2, r3)                                        \
+  SCALE(j, q) MOE_XPU_NIB_ROW4(0, 27, r0, q, d) MOE_XPU_NIB_ROW4(1, 28, r1, q, d)                 \
+  MOE_XPU_NIB_ROW4(2, 29, r2, q, d) MOE_XPU_NIB_ROW4(3, 30, r3, q, d)
+#define MOE_XPU_NIB_COLUMN4(SCALE, j, r0, r1, r2, r3)                                                \
+  MOE_XPU_NIB_DECODE(j) MOE_XPU_NIB_QUARTER(SCALE, j, 0, 23, r0, r1, r2, r3)                        \
+  MOE_XPU_NIB_QUARTER(SCALE, j, 1, 24, r0, r1, r2, r3) MOE_XPU_NIB_QUARTER(SCALE, j, 2, 25, r0, r1, r2, r3) \
+  MOE_XPU_NIB_QUARTER(SCALE, j, 3, 26, r0, r1, r2, r3)
+// The loop over whole blocks: each block also asks for the 8 lines (one block of a whole chunk)
+// 4 KB ahead in the chunk's stream, which runs on into the next chunk, the worker's next units.
+// ADV: bytes of scales a column has per block.
+#define MOE_XPU_NIB_TILE(COLUMN, SCALE, ADV)                                                                     \
+  asm volatile(                                                                                                 \
+      MOE_XPU_DOT_ZERO_TILE                                                                                     \
+      "vmovdqu16 -320(%[sums]), %%zmm16\n\t" "vmovdqu16 -256(%[sums]), %%zmm17\n\t"                         \
+      "vmovdqu16 -192(%[sums]), %%zmm18\n\t" "vmovdqu16 -128(%[sums]), %%zmm19\n\t"                         \
+      "vmovdqu16 -64(%[sums]), %%zmm20\n\t"                                                                  \
+      "1:\n\t"                                                                                                  \
+      "prefetcht0 4096(%[b],%[ko],2)\n\t" "prefetcht0 4160(%[b],%[ko],2)\n\t"                                   \
+      "prefetcht0 4224(%[b],%[ko],2)\n\t" "prefetcht0 4288(%[b],%[ko],2)\n\t"                                   \
+      "prefetcht0 4352(%[b],%[ko],2)\n\t" "prefetcht0 4416(%[b],%[ko],2)\n\t"                                   \
+      "prefetcht0 4480(%[b],%[ko],2)\n\t" "prefetcht0 4544(%[b],%[ko],2)\n\t"                                   \
+      COLUMN(SCALE, 0, 0, 4, 8, 12) COLUMN(SCALE, 1, 1, 5, 9, 13) COLUMN(SCALE, 2, 2, 6, 10, 14)              \
+      COLUMN(SCALE, 3, 3, 7, 11, 15)                                                                            \
+      "add $" ADV ", %[s0]\n\t" "add $" ADV ", %[s1]\n\t" "add $" ADV ", %[s2]\n\t" "add $" ADV ", %[s3]\n\t"  \
+      "add $256, %[ko]\n\t"                                                                                     \
+      "jnz 1b\n\t"                                                                                              \
+      MOE_XPU_DOT_SUM(0) MOE_XPU_DOT_SUM(1) MOE_XPU_DOT_SUM(2) MOE_XPU_DOT_SUM(3) MOE_XPU_DOT_SUM(4)           \
+      MOE_XPU_DOT_SUM(5) MOE_XPU_DOT_SUM(6) MOE_XPU_DOT_SUM(7) MOE_XPU_DOT_SUM(8) MOE_XPU_DOT_SUM(9)           \
+      MOE_XPU_DOT_SUM(10) MOE_XPU_DOT_SUM(11) MOE_XPU_DOT_SUM(12) MOE_XPU_DOT_SUM(13) MOE_XPU_DOT_SUM(14)      \
+      MOE_XPU_DOT_SUM(15)                                                                                       \
+      : [ko] "+r"(ko), [s0] "+r"(s0), [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [tmp] "=&r"(tmp)             \
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [b] "r"(b_end),        \
+        [sums] "r"(local + kNibbleSums)                                                                         \
+      : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
+        "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",      \
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31")
+
+// The sums of a 4 x 4 tile over `blocks` whole blocks of 128 k into local[kNibbleSums + 4 i + j]:
+// A rows end at a_end[i] (128 blocks elements past their start), the tile's packed lines at b_end
+// (512 blocks bytes past its first block; column j 64 j bytes on), column j's scales from s[j] on
+// (float32, or e8m0 bytes with E8m0), ScalesPerBlock of them a block. blocks > 0.
+template <int ScalesPerBlock, bool E8m0>
+inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], const char* b_end, int64_t blocks,
+                             const char* const (&s)[4]) {
+  int64_t ko = -256 * blocks;
+  const char *s0 = s[0], *s1 = s[1], *s2 = s[2], *s3 = s[3];
+  int64_t tmp = 0;
+  if constexpr (E8m0) {
+    static_assert(ScalesPerBlock == 4, "MXFP4 has a scale per 32 k");
+    MOE_XPU_NIB_TILE(MOE_XPU_NIB_COLUMN4, MOE_XPU_NIB_SCALE_E8M0, "4");
+  } else if constexpr (ScalesPerBlock == 1) {
+    MOE_XPU_NIB_TILE(MOE_XPU_NIB_COLUMN1, MOE_XPU_NIB_SCALE_F32, "4");
+  } else if constexpr (ScalesPerBlock == 2) {
+    MOE_XPU_NIB_TILE(MOE_XPU_NIB_COLUMN2, MOE_XPU_NIB_SCALE_F32, "8");
+  } else {
+    MOE_XPU_NIB_TILE(MOE_XPU_NIB_COLUMN4, MOE_XPU_NIB_SCALE_F32, "16");
+  }
+}
+
+#undef MOE_XPU_NIB_DECODE
+#undef MOE_XPU_NIB_DOT
+#undef MOE_XPU_NIB_ZERO
+#undef MOE_XPU_NIB_FMA
+#undef MOE_XPU_NIB_SCALE_F32
+#undef MOE_XPU_NIB_SCALE_E8M0
+#undef MOE_XPU_NIB_ROW1
+#undef MOE_XPU_NIB_ROW2
+#undef MOE_XPU_NIB_ROW4
+#undef MOE_XPU_NIB_COLUMN1
+#undef MOE_XPU_NIB_HALF
+#undef MOE_XPU_NIB_COLUMN2
+#undef MOE_XPU_NIB_QUARTER
+#undef MOE_XPU_NIB_COLUMN4
+#undef MOE_XPU_DOT_SUM
+#undef MOE_XPU_DOT_ZERO_TILE
+#undef MOE_XPU_DOT_TILE_SUMS
+#undef MOE_XPU_NIB_TILE
+
+// The local area's constants (see kNibbleLocal), written by the sub-group's lanes: lane l's
+// table entry is the bf16 bits of code l's value (exact), `e8m0` also fills the scale table.
+inline void nibble_constants(float* local, int lane, float code_value, bool e8m0) {
+  uint16_t* words = reinterpret_cast<uint16_t*>(local);
+  const uint16_t v = uint16_t(sycl::bit_cast<uint32_t>(code_value) >> 16);
+  words[lane] = v;
+  words[16 + lane] = v;
+  words[32 + lane] = uint16_t(2 * lane);
+  words[48 + lane] = uint16_t(2 * lane);
+  words[64 + lane] = uint16_t(2 * lane + 1);
+  words[80 + lane] = uint16_t(2 * lane + 1);
+  words[96 + lane] = 0;
+  words[112 + lane] = 4;
+  words[128 + lane] = 8;
+  words[144 + lane] = 12;
+  if (e8m0)
+    for (int s = lane; s < 256; s += kLanes)
+      local[kNibbleE8m0 + s] = sycl::bit_cast<float>(s == 0 ? 0x00400000u : s == 255 ? 0x7fc00000u : uint32_t(s) << 23);
+}
+
 }  // namespace moe_xpu
+
+// The 4-bit dot-product kernel needs the quantized kernels' formats (moe_gemm_quant.cpp, before
+// this file in the quantized bundles).
+#ifdef MOE_XPU_QUANT_KERNEL_PARAMS
+namespace moe_xpu {
+
+// int4 (one zero point for the launch: the symmetric constant or one given) or MXFP4 B in the
+// packed layout, bf16 A, float32 scales contiguous along K (one per group of 32, 64 or 128 k) or
+// e8m0 ones: the quantized kernels' parameters. Whole blocks of 128 k run in the assembly
+// (nibble_tile_sums); a last short block is summed by the lanes, one output element each, in
+// float. Units as for every family (the scheduler's), 4 x 4 tiles.
+template <typename Fmt, typename TOut>
+MOE_XPU_KERNEL
+void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                         int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
+                         int64_t /*b_stride_k*/, const void* scale, int64_t scale_stride_e,
+                         int64_t scale_stride_n, int64_t /*scale_stride_k: 1*/, int64_t /*scale_block_n: 1*/,
+                         int64_t scale_block_k, const uint8_t* zero, int64_t, int64_t, int64_t,
+                         const float*, const float* bias, int64_t bias_stride_e, TOut* out,
+                         int64_t out_row_stride, int64_t out_rows, const void* group_offsets, int offsets_is64,
+                         int64_t num_groups, int64_t K, int64_t N, int, int64_t, const void* scatter_index,
+                         int scatter_is64, const float* row_weight) {
+  constexpr int TM = kNibbleRows, TN = kNibbleCols;
+  constexpr bool e8m0 = Fmt::kScaleBytes == 1;
+  static_assert(TM * TN == kLanes, "a lane finishes one output of the tile");
+  const Worker w = this_worker();
+  const int64_t tiles_n = (N + TN - 1) / TN;
+  const int64_t blocks = K / kPackedK;
+  const int64_t k_blocks = blocks * kPackedK;
+  const float z = Fmt::kZeroPoints ? float(zero[0]) : 0.0f;
+  float* local = local_floats<kNibbleLocal>();
+  nibble_constants(local, w.lane, Fmt::value(uint32_t(w.lane), z), e8m0);
+  sycl::group_barrier(w.sg);
+  const uint32_t* words = static_cast<const uint32_t*>(b);
+  const char* scales = static_cast<const char*>(scale);
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * 4 / 8},
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * TN;
+        // The tile's columns share a chunk (n0 % 4 == 0; chunks hold 8 columns, padded past N).
+        const uint32_t* tile_words = words + packed_column(g, n0, b_stride_e, b_stride_n);
+        const char* s_col[TN];
+        for (int j = 0; j < TN; ++j)
+          s_col[j] = scales + (g * scale_stride_e + tile_b_column<TN, false>(n0, j, N, 0) * scale_stride_n) *
+                                  Fmt::kScaleBytes;
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
+          auto a_row = [&](int i) {
+            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
+          };
+          if (g < num_groups && blocks > 0) {
+            const uint16_t* a_end[TM];
+            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
+            const char* b_end = reinterpret_cast<const char*>(tile_words + blocks * kPackedBlockWords);
+            if (w.lane == 0) {
+              if (e8m0) nibble_tile_sums<4, true>(local, a_end, b_end, blocks, s_col);
+              else if (scale_block_k >= kPackedK) nibble_tile_sums<1, false>(local, a_end, b_end, blocks, s_col);
+              else if (scale_block_k == 64) nibble_tile_sums<2, false>(local, a_end, b_end, blocks, s_col);
+              else nibble_tile_sums<4, false>(local, a_end, b_end, blocks, s_col);
+            }
+            sycl::group_barrier(w.sg);
+          }
+          const int i = w.lane / TN, j = w.lane % TN;
+          if (i < valid && n0 + j < N) {
+            float s = 0.0f;
+            if (g < num_groups) {
+              if (blocks > 0) s = local[kNibbleSums + w.lane];
+              const uint16_t* ar = a_row(i);
+              const uint32_t* col = tile_words + j * kLanes + blocks * kPackedBlockWords;
+              for (int64_t k = k_blocks; k < K; ++k) {
+                const uint32_t q = (col[k % kLanes] >> (4 * ((k - k_blocks) / kLanes))) & 0xfu;
+                const float sc = Fmt::scale(scales, g * scale_stride_e + (n0 + j) * scale_stride_n + k / scale_block_k);
+                s = sycl::fma(to_float(ar[k]), Fmt::value(q, z) * sc, s);
+              }
+              if (bias != nullptr) s += bias[g * bias_stride_e + n0 + j];
+            }
+            const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+            out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(s * t.weight);
+          }
+          sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
+        }
+      });
+}
+
+}  // namespace moe_xpu
+#endif
 
 #ifdef MOE_XPU_DOT_PROBE
 // The launcher's check, before it lets a device use this family (launcher.cpp: bf16_dot_status):
@@ -786,11 +1030,49 @@ void moe_xpu_int8_dot_probe(const int8_t* a, const int8_t* b, int32_t* out, int6
   sycl::group_barrier(w.sg);
   for (int o = w.lane; o < kDotRows * kDotCols; o += kLanes) out[o] = sums[o] - 128 * column_sums[o % kDotCols];
 }
+
+// ... and the 4-bit kernel's: one 4 x 4 tile over k (a multiple of 128) for each scale form. b
+// holds the packed lines (k / 128 blocks of 512 bytes: a chunk of 8 columns, the tile's its first
+// 4), then each column's k / 32 float32 scales, then each column's k / 32 e8m0 bytes;
+// out[16 v + 4 i + j] for v = 0..3: int4 (values q - 8) with one float scale a block, two, four,
+// and e2m1 values with the e8m0 scales.
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* local = local_floats<kNibbleLocal>();
+  const int64_t blocks = k / 128;
+  const uint16_t* a_end[kNibbleRows];
+  for (int i = 0; i < kNibbleRows; ++i) a_end[i] = a + i * k + k;
+  const char* b_end = reinterpret_cast<const char*>(b) + blocks * 512;
+  const char* f32 = b_end;
+  const char* e8 = f32 + kNibbleCols * (k / 32) * 4;
+  constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  for (int v = 0; v < 4; ++v) {
+    const int l = w.lane;
+    const float value = v < 3 ? float(l - 8) : (l & 8 ? -kE2m1[l & 7] : kE2m1[l & 7]);
+    nibble_constants(local, l, value, v == 3);
+    sycl::group_barrier(w.sg);
+    const char* s[kNibbleCols];
+    for (int j = 0; j < kNibbleCols; ++j) s[j] = v == 3 ? e8 + j * (k / 32) : f32 + j * (k / 32) * 4;
+    if (w.lane == 0) {
+      if (v == 0) nibble_tile_sums<1, false>(local, a_end, b_end, blocks, s);
+      else if (v == 1) nibble_tile_sums<2, false>(local, a_end, b_end, blocks, s);
+      else if (v == 2) nibble_tile_sums<4, false>(local, a_end, b_end, blocks, s);
+      else nibble_tile_sums<4, true>(local, a_end, b_end, blocks, s);
+    }
+    sycl::group_barrier(w.sg);
+    out[16 * v + w.lane] = local[kNibbleSums + w.lane];
+    sycl::group_barrier(w.sg);
+  }
+}
 #endif
 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
 // MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>",
 // or after moe_gemm_quant.cpp (MOE_XPU_QUANT_KERNEL_PARAMS), e.g. MOE_XPU_INSTANTIATE_QUANT_DOT(uint16_t, 4, 6).
+#define MOE_XPU_INSTANTIATE_NIBBLE_DOT(FMT, TOut) \
+  template void moe_xpu::moe_gemm_nibble_dot<FMT, TOut>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
   template void moe_xpu::moe_gemm_quant_dot<TOut, TM, TN>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut));
 #define MOE_XPU_INSTANTIATE_N_DOT(TOut) \

@@ -1,0 +1,166 @@
+"""The 4-bit dot-product kernel (moe_gemm_nibble_dot in sycl/kernels/moe_gemm_dot.cpp: int4 with
+one zero point and MXFP4 weights decoded to bf16 in registers, AVX512-BF16 dot products) on CPUs
+that run it: the plan picks it where it should and nowhere else, and against float64 on the
+dequantized weights it is within the quantized kernels' bound (twice the naive float32 error plus a
+few output ulps) on shapes that break its 4 x 4 tile and its 128-k block (K with a short last
+block, N not a multiple of 4, short last row tiles, empty groups, one group taking every row),
+through index tables and strided rows, with a bias, for bf16 and float32 output, and bitwise the
+same for every worker count. (Its state line: test_bf16_dot.py, with the other families'.)"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import moe_xpu
+from moe_xpu import quant
+from test_moe_gemm import ROUTINGS, offsets, route
+from test_quant import assert_quant_close
+
+# The formats it takes: symmetric int4 in each group size, and MXFP4.
+NIBBLE_FORMATS = [("int4", {"group_size": 128}), ("int4", {"group_size": 64}), ("int4", {"group_size": 32}),
+                  ("mxfp4", {})]
+NIBBLE_IDS = ["int4-g128", "int4-g64", "int4-g32", "mxfp4"]
+
+
+@pytest.fixture
+def nibble_dot(C):
+    """The launcher (conftest.py), on a CPU whose 4-bit kernels include the dot-product kernel."""
+    if not C.device_description(0)["nibble_dot"]:
+        pytest.skip("no 4-bit dot-product kernel here: needs a CPU with AVX512-BF16 and the OpenCL CPU "
+                    "compiler targeting it (not MOE_XPU_NIBBLE_DOT=0)")
+    return C
+
+
+def run(a, q, go, gather_index=None, bias=None, out_dtype=torch.bfloat16, **overrides):
+    """run_quant with the launcher's arguments overridden; returns the output and the kernel's name."""
+    C = moe_xpu._runtime.sycl_module()
+    plans = []
+
+    def configure(args):
+        for name, value in overrides.items():
+            setattr(args, name, value)
+        plans.append(C.plan_gemm(args))
+
+    out = quant.run_quant(a, q, go, None, gather_index, bias, out_dtype, configure=configure)
+    return out, plans[0].kernel_name
+
+
+def weights(E, K, N, fmt, kw):
+    return moe_xpu.quantize_experts(torch.randn(E, N, K).transpose(1, 2), fmt, **kw)
+
+
+def test_plan_picks_the_kernel_where_it_should(nibble_dot):
+    E, K, N = 6, 256, 40
+    go = offsets([4] * E)
+    a = torch.randn(4 * E, K).to(torch.bfloat16)
+    for fmt, kw in NIBBLE_FORMATS:
+        q = weights(E, K, N, fmt, kw)
+        assert "moe_gemm_nibble_dot<" in run(a, q, go)[1]
+        assert "moe_gemm_nibble_dot<" in run(a, q, go, out_dtype=torch.float32)[1]
+        # Decode (a row or two a group) streams the weights: the vector kernel's one-row tile.
+        assert "nibble_dot" not in run(a[:E], q, offsets([1] * E))[1]
+        # float32 and float16 activations, the vector kernels forced, a tile override: not this one.
+        assert "nibble_dot" not in run(a.float(), q, go, out_dtype=torch.float32)[1]
+        assert "nibble_dot" not in run(a.half(), q, go, out_dtype=torch.float16)[1]
+        assert "nibble_dot" not in run(a, q, go, engine=1)[1]
+        assert "nibble_dot" not in run(a, q, go, tile_m=4, tile_n=4)[1]
+    # A zero point per group (asymmetric int4) changes the table per group: the vector kernel.
+    q = weights(E, K, N, "int4", {"group_size": 128, "zero_point": True})
+    assert "nibble_dot" not in run(a, q, go)[1]
+    # K shorter than one packed block: nothing for the assembly.
+    q = weights(E, 64, N, "int4", {"group_size": 32})
+    assert "nibble_dot" not in run(torch.randn(4 * E, 64).to(torch.bfloat16), q, go)[1]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("K,N", [(128, 1), (256 + 32, 7), (384, 4), (512 + 96, 13), (1152, 33)])
+@pytest.mark.parametrize("fmt,kw", NIBBLE_FORMATS, ids=NIBBLE_IDS)
+def test_matches_float64_on_breaking_shapes(nibble_dot, fmt, kw, K, N, routing):
+    group = kw.get("group_size", 32)
+    K = -(-K // group) * group  # quantize_experts takes whole groups
+    E, T = 5, 43
+    counts = route(routing, E, T)
+    go = offsets(counts)
+    q = weights(E, K, N, fmt, kw)
+    a = torch.randn(T + 2, K).to(torch.bfloat16)  # rows past the last offset: zeros
+    bias = torch.randn(E, N)
+    out, kernel = run(a, q, go, bias=bias)
+    if sum(counts) / E > 2:
+        assert "nibble_dot" in kernel
+    M = sum(counts)
+    assert_quant_close(out[:M], a[:M], q.dequantize(), go, bias=bias)
+    assert not out[M:].any()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,kw", [NIBBLE_FORMATS[0], NIBBLE_FORMATS[3]], ids=["int4", "mxfp4"])
+def test_index_table_strided_rows_and_one_group_taking_everything(nibble_dot, fmt, kw, out_dtype):
+    K, N = 640, 20
+    q = weights(3, K, N, fmt, kw)
+    # Rows of a wider tensor (row stride 2 K), read through an index table with repeats.
+    base = torch.randn(50, 2 * K).to(torch.bfloat16)
+    a = base[:, :K]
+    go = offsets([0, 90, 0])
+    gi = torch.randint(0, 50, (90,))
+    out, kernel = run(a, q, go, gather_index=gi, out_dtype=out_dtype)
+    assert "nibble_dot" in kernel and out.dtype == out_dtype
+    assert_quant_close(out, a, q.dequantize(), go, gather_index=gi, out_dtype=out_dtype)
+    # Through moe_gemm itself, int64 indices, and zero tokens.
+    ref = moe_xpu.moe_gemm(a, q, go, gather_index=gi.long(), out_dtype=out_dtype)
+    assert torch.equal(ref, out)
+    empty = moe_xpu.moe_gemm(a[:0], q, offsets([0, 0, 0]))
+    assert empty.shape == (0, N)
+
+
+@pytest.mark.parametrize("fmt,kw", NIBBLE_FORMATS, ids=NIBBLE_IDS)
+def test_agrees_with_the_vector_kernel(nibble_dot, fmt, kw):
+    """Both sum the exact products of A and the codes' values and apply the scales in float: they
+    agree to float rounding (not bit for bit: the dot products pair their sums differently)."""
+    counts, K, N = [10, 3, 0, 25, 7, 15], 512, 44
+    go = offsets(counts)
+    q = weights(len(counts), K, N, fmt, kw)
+    a = torch.randn(sum(counts), K).to(torch.bfloat16)
+    out, kernel = run(a, q, go, out_dtype=torch.float32)
+    vector, other = run(a, q, go, out_dtype=torch.float32, engine=1)
+    assert "nibble_dot" in kernel and "nibble_dot" not in other
+    scale = vector.abs().max().item()
+    assert torch.allclose(out, vector, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("fmt,kw", [NIBBLE_FORMATS[1], NIBBLE_FORMATS[3]], ids=["int4-g64", "mxfp4"])
+def test_bitwise_the_same_for_every_worker_count(nibble_dot, fmt, kw):
+    counts, K, N = [10, 3, 0, 25, 7, 15], 384 + 64, 50
+    go = offsets(counts)
+    q = weights(len(counts), K, N, fmt, kw)
+    a = torch.randn(sum(counts), K).to(torch.bfloat16)
+    outs = []
+    for workers in (0, 1, 3, 16):
+        out, kernel = run(a, q, go, num_workers=workers)
+        assert "nibble_dot" in kernel
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert_quant_close(outs[0], a, q.dequantize(), go)
+
+
+def test_special_scales_read_as_the_vector_kernel_reads_them(nibble_dot):
+    """MXFP4 scale codes 0 (2^-127) and 255 (NaN) and zero blocks: the same special values as the
+    vector kernel (NaN where a block's scale is NaN, finite elsewhere)."""
+    E, K, N = 2, 256, 8
+    q = weights(E, K, N, "mxfp4", {})
+    scales = q.scale.clone()
+    scales[0, 3, 1] = 255
+    scales[1, 5, 0] = 0
+    q = quant.QuantizedExperts("mxfp4", q.data, scales, None, q.block, q.shape, q.k_contiguous_source)
+    a = torch.randn(8, K).to(torch.bfloat16)
+    go = offsets([4, 4])
+    out, kernel = run(a, q, go, out_dtype=torch.float32)
+    vector, _ = run(a, q, go, out_dtype=torch.float32, engine=1)
+    assert "nibble_dot" in kernel
+    assert torch.equal(out.isnan(), vector.isnan())
+    assert out[:4, 3].isnan().all() and not out[:, :3].isnan().any()
+    finite = ~vector.isnan()
+    assert torch.allclose(out[finite], vector[finite], rtol=1e-5, atol=1e-5 * vector[finite].abs().max().item())
