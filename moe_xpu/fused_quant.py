@@ -42,10 +42,11 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
     gather_index, group_offsets, scatter_index = fused._sort_tokens_impl(topk_ids, E)
 
     # 1. h = act(x[token] @ gate) * (x[token] @ up), rows in expert order: float32, or bf16 in a
-    # bf16 block whose second GEMM runs on the matrix engine (which multiplies bf16; a bf16 model's
-    # own expert block rounds h so too), written at half the bytes instead of rounded in the packing.
+    # bf16 block whose second GEMM multiplies bf16 (the matrix engine, the 4-bit dot-product kernel;
+    # a bf16 model's own expert block rounds h so too), written at half the bytes instead of
+    # rounded in the packing.
     h_dtype = torch.float32
-    if x.dtype == torch.bfloat16 and _on_matrix_engine(torch.bfloat16, down, group_offsets, T * k):
+    if x.dtype == torch.bfloat16 and _multiplies_bf16(down, group_offsets, T * k):
         h_dtype = torch.bfloat16
     h = run_quant(x, gate_up, group_offsets, None, gather_index, gate_up_bias, h_dtype,
                   activation=fused.ACTIVATIONS[activation], up_offset=I, out_columns=I,
@@ -60,11 +61,13 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
 _ENGINE_PLANS = _dispatch.MetadataTable()
 
 
-def _on_matrix_engine(a_dtype: torch.dtype, q: QuantizedExperts, group_offsets, rows: int) -> bool:
-    """Whether the launcher plans q's GEMM over ``rows`` rows of ``a_dtype`` A (float32 output)
-    on the matrix engine. Planning reads no tensor values: empty tensors stand for A and the output.
-    Kept per metadata, so a repeated call (a decode step's shapes) does not plan it again."""
-    key = (a_dtype, q.format, q.shape, q.block, q.data.stride(), group_offsets.shape[0], group_offsets.device, rows)
+def _multiplies_bf16(q: QuantizedExperts, group_offsets, rows: int) -> bool:
+    """Whether the launcher plans q's GEMM over ``rows`` rows of bf16 A (float32 output) on a
+    kernel that multiplies bf16 values (the matrix engine, the 4-bit dot-product kernel). Planning
+    reads no tensor values: empty tensors stand for A and the output. Kept per metadata, so a
+    repeated call (a decode step's shapes) does not plan it again."""
+    a_dtype = torch.bfloat16
+    key = (q.format, q.shape, q.block, q.data.stride(), group_offsets.shape[0], group_offsets.device, rows)
     found = _ENGINE_PLANS.get(key)
     if found is not None:
         return found
@@ -72,7 +75,8 @@ def _on_matrix_engine(a_dtype: torch.dtype, q: QuantizedExperts, group_offsets, 
     out = torch.empty(0, q.shape[2], dtype=torch.float32, device=group_offsets.device)
     args = quant_args(probe, q, group_offsets, None, None, None, out)
     args.a_rows = args.out_rows = rows
-    return _ENGINE_PLANS.keep(key, rows > 0 and _runtime.sycl_module().plan_gemm(args).matrix_engine)
+    plan = _runtime.sycl_module().plan_gemm(args) if rows > 0 else None
+    return _ENGINE_PLANS.keep(key, plan is not None and (plan.matrix_engine or "nibble_dot" in plan.kernel_name))
 
 
 def _fused_reference(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts, topk_weights, topk_ids,

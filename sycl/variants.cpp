@@ -254,7 +254,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dot:
     case Family::dot_gated:
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
-    case Family::nibble_dot: return {TileShape{kNibbleRows, kNibbleCols}};
+    case Family::nibble_dot:
+    case Family::nibble_dot_gated: return {TileShape{kNibbleRows, kNibbleCols}};
     case Family::dot_kn:
     case Family::dot_wgrad: return {TileShape{kNDotRows, kNDotCols / int(kSubGroupSize)}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
@@ -328,7 +329,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dot:
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
-    case Family::nibble_dot: return kNibbleLocal * 4;  // its constants and a tile's sums
+    case Family::nibble_dot:
+    case Family::nibble_dot_gated: return kNibbleLocal * 4;  // its constants and a tile's sums
     case Family::dot_kn:
     case Family::dot_wgrad: return kNDotSums * 4;  // a tile's accumulators
   }
@@ -373,8 +375,8 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
     return args.str();
   }
-  if (f == Family::nibble_dot) {
-    args << format_name(t) << ", " << type_name(out);
+  if (f == Family::nibble_dot || f == Family::nibble_dot_gated) {
+    args << format_name(t) << ", " << type_name(out) << ", " << (f == Family::nibble_dot_gated ? "true" : "false");
     return args.str();
   }
   if (f == Family::dot_kn || f == Family::dot_wgrad) {
@@ -418,7 +420,8 @@ std::string kernel_base(Family f) {
     case Family::dot:
     case Family::dot_gated: return "k_dot";
     case Family::quant_dot: return "quant_dot";
-    case Family::nibble_dot: return "nibble_dot";
+    case Family::nibble_dot:
+    case Family::nibble_dot_gated: return "nibble_dot";
     case Family::dot_kn: return "n_dot";
     case Family::dot_wgrad: return "dot_wgrad";
   }
@@ -442,7 +445,8 @@ std::string family_kernel_instantiation(Family f, DType a, DType t, DType out, T
 bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
          f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::dot_kn &&
-         f != Family::dot_wgrad && f != Family::quant_dot && f != Family::nibble_dot;
+         f != Family::dot_wgrad && f != Family::quant_dot && f != Family::nibble_dot &&
+         f != Family::nibble_dot_gated;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -540,7 +544,8 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
     if (d.int8_dot && t == DType::int8)
       variants.push_back(Variant{Family::quant_dot, DType::int8, t, out, family_tiles(Family::quant_dot, d, t)[0]});
     if (nibble_dot_compiles(d, t, out))
-      variants.push_back(Variant{Family::nibble_dot, DType::bfloat16, t, out, family_tiles(Family::nibble_dot, d, t)[0]});
+      for (Family f : {Family::nibble_dot, Family::nibble_dot_gated})
+        variants.push_back(Variant{f, DType::bfloat16, t, out, family_tiles(f, d, t)[0]});
     if (engine_takes(d, t) && t == DType::int8)
       variants.push_back(Variant{Family::quant_matrix, DType::int8, t, out, family_tiles(Family::quant_matrix, d, t)[0]});
     if (dequantizes_to_engine(d, t, out))
@@ -665,16 +670,18 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   // kernel where groups average more than 2 rows (the one-row decode tile streams the weights and
   // stays on the vector kernel), with one zero point for the launch (int4's symmetric constant or
   // one given), scales contiguous along K in groups of 32, 64 or 128 (MXFP4: 32) and K of at least
-  // one packed block. Not gated; tile overrides address the vector kernels.
+  // one packed block; gated with an even output width and up offset (each gate and up column pair
+  // in one chunk). Tile overrides address the vector kernels.
   const bool one_zero_point = args.zero_stride_e == 0 && args.zero_stride_n == 0 && args.zero_stride_k == 0;
-  const bool use_nibble = !use_matrix && !use_dot && args.engine == 0 && !gated &&
+  const bool use_nibble = !use_matrix && !use_dot && args.engine == 0 &&
+                          (!gated || (args.N % 2 == 0 && args.up_offset % 2 == 0)) &&
                           nibble_dot_compiles(d, args.dtype, args.out_dtype) && args.a_dtype == DType::bfloat16 &&
                           (args.dtype == DType::mxfp4 || one_zero_point) && args.scale_block_n == 1 &&
                           args.scale_stride_k == 1 &&
                           (args.scale_block_k == 32 || args.scale_block_k == 64 || args.scale_block_k == 128) &&
                           args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
   const Family family = use_dot      ? Family::quant_dot
-                        : use_nibble ? Family::nibble_dot
+                        : use_nibble ? (gated ? Family::nibble_dot_gated : Family::nibble_dot)
                         : !use_matrix ? (gated ? Family::quant_gated : Family::quant)
                         : w8a8      ? Family::quant_matrix
                         : gated     ? Family::dequant_matrix_gated

@@ -533,11 +533,11 @@ def test_fused_moe_quantized_bf16_on_the_engine(C, fmt, routing):
     name, kwargs = DEQUANT_FORMATS[fmt]
     q1, q2, w1, w2 = quantize_block(gu, dn, name, kwargs)
     group_offsets = torch.bincount(ids.flatten(), minlength=8).cumsum(0).to(torch.int32)
-    assert fused_quant._on_matrix_engine(torch.bfloat16, q2, group_offsets, ids.numel())
+    assert fused_quant._multiplies_bf16(q2, group_offsets, ids.numel())
     out = moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1])
     check(out, x, w1, w2, w, ids, "silu", biases)
     assert torch.equal(moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1]), out)
-    assert not fused_quant._on_matrix_engine(torch.bfloat16, q2, group_offsets, 2)  # decode: 0.25 rows a group
+    assert not fused_quant._multiplies_bf16(q2, group_offsets, 2)  # decode: 0.25 rows a group
 
 
 def test_dequant_engine_refused_off_its_shapes(C):

@@ -164,3 +164,36 @@ def test_special_scales_read_as_the_vector_kernel_reads_them(nibble_dot):
     assert out[:4, 3].isnan().all() and not out[:, :3].isnan().any()
     finite = ~vector.isnan()
     assert torch.allclose(out[finite], vector[finite], rtol=1e-5, atol=1e-5 * vector[finite].abs().max().item())
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert_all", "empty_experts"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmt,kw", [NIBBLE_FORMATS[0], NIBBLE_FORMATS[2], NIBBLE_FORMATS[3]],
+                         ids=["int4-g128", "int4-g32", "mxfp4"])
+def test_fused_moe_runs_both_gemms_on_it(nibble_dot, monkeypatch, fmt, kw, activation, routing):
+    """fused_moe on 4-bit weights with bf16 hidden states: the gated first GEMM (2 gate and 2 up
+    columns a tile) and the second (h in bf16, which it multiplies) both on this kernel, within the
+    quantized fused tests' bound against float64, with biases, bitwise the same when repeated."""
+    from moe_xpu import fused_quant
+    from test_fused_moe import make_block
+    from test_fused_moe_quant import check, quantize_block
+
+    # H (gate_up's K) and I (down's, even: its pairs) with a short last block where the group allows.
+    short = kw.get("group_size", 32) % 128
+    T, H, I, E, k = 40, 384 + short, 128 + 2 * short, 6, 2
+    x, gu, dn, w, ids, biases = make_block(T, H, I, E, k, torch.bfloat16, routing, bias=True)
+    q1, q2, w1, w2 = quantize_block(gu, dn, fmt, kw)
+    C, kernels = nibble_dot, []
+    run_quant = fused_quant.run_quant
+
+    def recording(*args, **kwargs):
+        kwargs["configure"] = lambda a: kernels.append(C.plan_gemm(a).kernel_name)
+        return run_quant(*args, **kwargs)
+
+    monkeypatch.setattr(fused_quant, "run_quant", recording)
+    out = moe_xpu.fused_moe(x, q1, q2, w, ids, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
+    assert "moe_gemm_nibble_dot<" in kernels[0] and kernels[0].endswith("true>"), kernels[0]
+    assert "moe_gemm_nibble_dot<" in kernels[1] and kernels[1].endswith("false>"), kernels[1]
+    check(out, x, w1, w2, w, ids, activation, biases)
+    again = moe_xpu.fused_moe(x, q1, q2, w, ids, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
+    assert torch.equal(again, out)

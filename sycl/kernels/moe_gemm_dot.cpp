@@ -753,9 +753,21 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
 constexpr int64_t kNibbleSums = 80;
 constexpr int64_t kNibbleE8m0 = 96;
 
+#define MOE_XPU_NIB_AHEAD "4096"
+#define MOE_XPU_NIB_PREFETCH(P)                                                                             \
+  "prefetcht0 " MOE_XPU_NIB_AHEAD "+0(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+64(%[" P "],%[ko],2)\n\t"   \
+  "prefetcht0 " MOE_XPU_NIB_AHEAD "+128(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+192(%[" P "],%[ko],2)\n\t" \
+  "prefetcht0 " MOE_XPU_NIB_AHEAD "+256(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+320(%[" P "],%[ko],2)\n\t" \
+  "prefetcht0 " MOE_XPU_NIB_AHEAD "+384(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+448(%[" P "],%[ko],2)\n\t"
+// Column j's line: columns 0, 1 from the pair at b, 2, 3 from the pair at bu (b + 128 bytes, or a
+// gated tile's up columns).
+#define MOE_XPU_NIB_LINE0 "(%[b],%[ko],2)"
+#define MOE_XPU_NIB_LINE1 "64(%[b],%[ko],2)"
+#define MOE_XPU_NIB_LINE2 "(%[bu],%[ko],2)"
+#define MOE_XPU_NIB_LINE3 "64(%[bu],%[ko],2)"
 #define MOE_XPU_NIB_DECODE(j)                               \
-  "vpermw " #j "*64(%[b],%[ko],2), %%zmm17, %%zmm21\n\t"    \
-  "vpermw " #j "*64(%[b],%[ko],2), %%zmm18, %%zmm22\n\t"    \
+  "vpermw " MOE_XPU_NIB_LINE##j ", %%zmm17, %%zmm21\n\t"    \
+  "vpermw " MOE_XPU_NIB_LINE##j ", %%zmm18, %%zmm22\n\t"    \
   "vpsrlvw %%zmm19, %%zmm21, %%zmm23\n\t"                   \
   "vpsrlvw %%zmm20, %%zmm21, %%zmm24\n\t"                   \
   "vpsrlvw %%zmm19, %%zmm22, %%zmm25\n\t"                   \
@@ -797,7 +809,8 @@ constexpr int64_t kNibbleE8m0 = 96;
   MOE_XPU_NIB_QUARTER(SCALE, j, 1, 24, r0, r1, r2, r3) MOE_XPU_NIB_QUARTER(SCALE, j, 2, 25, r0, r1, r2, r3) \
   MOE_XPU_NIB_QUARTER(SCALE, j, 3, 26, r0, r1, r2, r3)
 // The loop over whole blocks: each block also asks for the 8 lines (one block of a whole chunk)
-// 4 KB ahead in the chunk's stream, which runs on into the next chunk, the worker's next units.
+// 4 KB ahead in each pair's chunk stream, which runs on into the next chunk, the worker's next
+// units (the two streams are one where bu is b + 128: those requests find their lines in cache).
 // ADV: bytes of scales a column has per block.
 #define MOE_XPU_NIB_TILE(COLUMN, SCALE, ADV)                                                                     \
   asm volatile(                                                                                                 \
@@ -806,10 +819,7 @@ constexpr int64_t kNibbleE8m0 = 96;
       "vmovdqu16 -192(%[sums]), %%zmm18\n\t" "vmovdqu16 -128(%[sums]), %%zmm19\n\t"                         \
       "vmovdqu16 -64(%[sums]), %%zmm20\n\t"                                                                  \
       "1:\n\t"                                                                                                  \
-      "prefetcht0 4096(%[b],%[ko],2)\n\t" "prefetcht0 4160(%[b],%[ko],2)\n\t"                                   \
-      "prefetcht0 4224(%[b],%[ko],2)\n\t" "prefetcht0 4288(%[b],%[ko],2)\n\t"                                   \
-      "prefetcht0 4352(%[b],%[ko],2)\n\t" "prefetcht0 4416(%[b],%[ko],2)\n\t"                                   \
-      "prefetcht0 4480(%[b],%[ko],2)\n\t" "prefetcht0 4544(%[b],%[ko],2)\n\t"                                   \
+      MOE_XPU_NIB_PREFETCH("b") MOE_XPU_NIB_PREFETCH("bu")                                                      \
       COLUMN(SCALE, 0, 0, 4, 8, 12) COLUMN(SCALE, 1, 1, 5, 9, 13) COLUMN(SCALE, 2, 2, 6, 10, 14)              \
       COLUMN(SCALE, 3, 3, 7, 11, 15)                                                                            \
       "add $" ADV ", %[s0]\n\t" "add $" ADV ", %[s1]\n\t" "add $" ADV ", %[s2]\n\t" "add $" ADV ", %[s3]\n\t"  \
@@ -821,18 +831,20 @@ constexpr int64_t kNibbleE8m0 = 96;
       MOE_XPU_DOT_SUM(15)                                                                                       \
       : [ko] "+r"(ko), [s0] "+r"(s0), [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [tmp] "=&r"(tmp)             \
       : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]), [b] "r"(b_end),        \
+        [bu] "r"(bu_end),                                                                                       \
         [sums] "r"(local + kNibbleSums)                                                                         \
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",         \
         "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",      \
         "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31")
 
 // The sums of a 4 x 4 tile over `blocks` whole blocks of 128 k into local[kNibbleSums + 4 i + j]:
-// A rows end at a_end[i] (128 blocks elements past their start), the tile's packed lines at b_end
-// (512 blocks bytes past its first block; column j 64 j bytes on), column j's scales from s[j] on
-// (float32, or e8m0 bytes with E8m0), ScalesPerBlock of them a block. blocks > 0.
+// A rows end at a_end[i] (128 blocks elements past their start), the packed lines of columns 0, 1
+// at b_end and of columns 2, 3 at bu_end (512 blocks bytes past their first block; the second
+// column of a pair 64 bytes on), column j's scales from s[j] on (float32, or e8m0 bytes with
+// E8m0), ScalesPerBlock of them a block. blocks > 0.
 template <int ScalesPerBlock, bool E8m0>
-inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], const char* b_end, int64_t blocks,
-                             const char* const (&s)[4]) {
+inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], const char* b_end, const char* bu_end,
+                             int64_t blocks, const char* const (&s)[4]) {
   int64_t ko = -256 * blocks;
   const char *s0 = s[0], *s1 = s[1], *s2 = s[2], *s3 = s[3];
   int64_t tmp = 0;
@@ -848,6 +860,12 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
   }
 }
 
+#undef MOE_XPU_NIB_AHEAD
+#undef MOE_XPU_NIB_PREFETCH
+#undef MOE_XPU_NIB_LINE0
+#undef MOE_XPU_NIB_LINE1
+#undef MOE_XPU_NIB_LINE2
+#undef MOE_XPU_NIB_LINE3
 #undef MOE_XPU_NIB_DECODE
 #undef MOE_XPU_NIB_DOT
 #undef MOE_XPU_NIB_ZERO
@@ -897,9 +915,11 @@ namespace moe_xpu {
 // int4 (one zero point for the launch: the symmetric constant or one given) or MXFP4 B in the
 // packed layout, bf16 A, float32 scales contiguous along K (one per group of 32, 64 or 128 k) or
 // e8m0 ones: the quantized kernels' parameters. Whole blocks of 128 k run in the assembly
-// (nibble_tile_sums); a last short block is summed by the lanes, one output element each, in
-// float. Units as for every family (the scheduler's), 4 x 4 tiles.
-template <typename Fmt, typename TOut>
+// (nibble_tile_sums); a last short block is summed by the lanes, one tile column each, in float.
+// Units as for every family (the scheduler's), 4 x 4 tiles: 4 adjacent columns (half a chunk), or
+// Gated: 2 gate columns and their 2 up columns (up_offset on; N and up_offset even, so each pair
+// lies in one chunk), whose lanes apply the activation to the gate sum times the up sum.
+template <typename Fmt, typename TOut, bool Gated>
 MOE_XPU_KERNEL
 void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                          int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
@@ -908,13 +928,14 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
                          int64_t scale_block_k, const uint8_t* zero, int64_t, int64_t, int64_t,
                          const float*, const float* bias, int64_t bias_stride_e, TOut* out,
                          int64_t out_row_stride, int64_t out_rows, const void* group_offsets, int offsets_is64,
-                         int64_t num_groups, int64_t K, int64_t N, int, int64_t, const void* scatter_index,
-                         int scatter_is64, const float* row_weight) {
+                         int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
+                         const void* scatter_index, int scatter_is64, const float* row_weight) {
   constexpr int TM = kNibbleRows, TN = kNibbleCols;
+  constexpr int out_cols = Gated ? TN / 2 : TN;
   constexpr bool e8m0 = Fmt::kScaleBytes == 1;
-  static_assert(TM * TN == kLanes, "a lane finishes one output of the tile");
+  static_assert(TM * TN == kLanes, "the tile's sums are one per lane");
   const Worker w = this_worker();
-  const int64_t tiles_n = (N + TN - 1) / TN;
+  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   const int64_t blocks = K / kPackedK;
   const int64_t k_blocks = blocks * kPackedK;
   const float z = Fmt::kZeroPoints ? float(zero[0]) : 0.0f;
@@ -927,13 +948,15 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       UnitCost{int64_t(TM) * TN, int64_t(TN) * 7 * 4 / 8},
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
-        const int64_t n0 = n_tile * TN;
-        // The tile's columns share a chunk (n0 % 4 == 0; chunks hold 8 columns, padded past N).
-        const uint32_t* tile_words = words + packed_column(g, n0, b_stride_e, b_stride_n);
+        const int64_t n0 = n_tile * out_cols;
+        int64_t b_n[TN];  // the B column behind accumulator column j (past N: the last one)
+        for (int j = 0; j < TN; ++j) b_n[j] = tile_b_column<TN, Gated>(n0, j, N, up_offset);
+        // Each pair's packed words: columns past N stay in the padded chunk (n0 % 4 == 0, or even
+        // gated columns), where the scales repeat the last column's.
+        const uint32_t* pair_words[2] = {words + packed_column(g, n0, b_stride_e, b_stride_n),
+                                         words + packed_column(g, Gated ? n0 + up_offset : n0 + 2, b_stride_e, b_stride_n)};
         const char* s_col[TN];
-        for (int j = 0; j < TN; ++j)
-          s_col[j] = scales + (g * scale_stride_e + tile_b_column<TN, false>(n0, j, N, 0) * scale_stride_n) *
-                                  Fmt::kScaleBytes;
+        for (int j = 0; j < TN; ++j) s_col[j] = scales + (g * scale_stride_e + b_n[j] * scale_stride_n) * Fmt::kScaleBytes;
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = tile_valid_rows(rows, m_tile, TM);
@@ -943,31 +966,39 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
           if (g < num_groups && blocks > 0) {
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
-            const char* b_end = reinterpret_cast<const char*>(tile_words + blocks * kPackedBlockWords);
+            const char* b_end = reinterpret_cast<const char*>(pair_words[0] + blocks * kPackedBlockWords);
+            const char* bu_end = reinterpret_cast<const char*>(pair_words[1] + blocks * kPackedBlockWords);
             if (w.lane == 0) {
-              if (e8m0) nibble_tile_sums<4, true>(local, a_end, b_end, blocks, s_col);
-              else if (scale_block_k >= kPackedK) nibble_tile_sums<1, false>(local, a_end, b_end, blocks, s_col);
-              else if (scale_block_k == 64) nibble_tile_sums<2, false>(local, a_end, b_end, blocks, s_col);
-              else nibble_tile_sums<4, false>(local, a_end, b_end, blocks, s_col);
+              if (e8m0) nibble_tile_sums<4, true>(local, a_end, b_end, bu_end, blocks, s_col);
+              else if (scale_block_k >= kPackedK) nibble_tile_sums<1, false>(local, a_end, b_end, bu_end, blocks, s_col);
+              else if (scale_block_k == 64) nibble_tile_sums<2, false>(local, a_end, b_end, bu_end, blocks, s_col);
+              else nibble_tile_sums<4, false>(local, a_end, b_end, bu_end, blocks, s_col);
             }
             sycl::group_barrier(w.sg);
           }
-          const int i = w.lane / TN, j = w.lane % TN;
-          if (i < valid && n0 + j < N) {
-            float s = 0.0f;
-            if (g < num_groups) {
-              if (blocks > 0) s = local[kNibbleSums + w.lane];
-              const uint16_t* ar = a_row(i);
-              const uint32_t* col = tile_words + j * kLanes + blocks * kPackedBlockWords;
-              for (int64_t k = k_blocks; k < K; ++k) {
-                const uint32_t q = (col[k % kLanes] >> (4 * ((k - k_blocks) / kLanes))) & 0xfu;
-                const float sc = Fmt::scale(scales, g * scale_stride_e + (n0 + j) * scale_stride_n + k / scale_block_k);
-                s = sycl::fma(to_float(ar[k]), Fmt::value(q, z) * sc, s);
-              }
-              if (bias != nullptr) s += bias[g * bias_stride_e + n0 + j];
+          // Lane l: tile element l's sum (row l / 4, column l % 4) with the short last block's
+          // products and the bias; lane i * 4 + j then stores output (i, j).
+          const int i = w.lane / TN, c = w.lane % TN;
+          float s = 0.0f;
+          if (g < num_groups) {
+            if (blocks > 0) s = local[kNibbleSums + w.lane];
+            const uint16_t* ar = a_row(i);
+            const uint32_t* col = pair_words[c / 2] + (c % 2) * kLanes + blocks * kPackedBlockWords;
+            for (int64_t k = k_blocks; k < K; ++k) {
+              const uint32_t q = (col[k % kLanes] >> (4 * ((k - k_blocks) / kLanes))) & 0xfu;
+              const float sc = Fmt::scale(scales, g * scale_stride_e + b_n[c] * scale_stride_n + k / scale_block_k);
+              s = sycl::fma(to_float(ar[k]), Fmt::value(q, z) * sc, s);
             }
+            if (bias != nullptr) s += bias[g * bias_stride_e + b_n[c]];
+          }
+          float r = s;
+          if constexpr (Gated) {  // the up sum of (i, c) is lane i * 4 + c + 2's
+            const float up = sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
+            r = activate(activation, s) * up;
+          }
+          if (i < valid && c < out_cols && n0 + c < N) {
             const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-            out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(s * t.weight);
+            out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(r * t.weight);
           }
           sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
         }
@@ -1056,10 +1087,10 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
     const char* s[kNibbleCols];
     for (int j = 0; j < kNibbleCols; ++j) s[j] = v == 3 ? e8 + j * (k / 32) : f32 + j * (k / 32) * 4;
     if (w.lane == 0) {
-      if (v == 0) nibble_tile_sums<1, false>(local, a_end, b_end, blocks, s);
-      else if (v == 1) nibble_tile_sums<2, false>(local, a_end, b_end, blocks, s);
-      else if (v == 2) nibble_tile_sums<4, false>(local, a_end, b_end, blocks, s);
-      else nibble_tile_sums<4, true>(local, a_end, b_end, blocks, s);
+      if (v == 0) nibble_tile_sums<1, false>(local, a_end, b_end, b_end + 128, blocks, s);
+      else if (v == 1) nibble_tile_sums<2, false>(local, a_end, b_end, b_end + 128, blocks, s);
+      else if (v == 2) nibble_tile_sums<4, false>(local, a_end, b_end, b_end + 128, blocks, s);
+      else nibble_tile_sums<4, true>(local, a_end, b_end, b_end + 128, blocks, s);
     }
     sycl::group_barrier(w.sg);
     out[16 * v + w.lane] = local[kNibbleSums + w.lane];
@@ -1071,8 +1102,8 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
 // MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>",
 // or after moe_gemm_quant.cpp (MOE_XPU_QUANT_KERNEL_PARAMS), e.g. MOE_XPU_INSTANTIATE_QUANT_DOT(uint16_t, 4, 6).
-#define MOE_XPU_INSTANTIATE_NIBBLE_DOT(FMT, TOut) \
-  template void moe_xpu::moe_gemm_nibble_dot<FMT, TOut>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
+#define MOE_XPU_INSTANTIATE_NIBBLE_DOT(FMT, TOut, GATED) \
+  template void moe_xpu::moe_gemm_nibble_dot<FMT, TOut, GATED>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
   template void moe_xpu::moe_gemm_quant_dot<TOut, TM, TN>(MOE_XPU_QUANT_KERNEL_PARAMS(int8_t, TOut));
 #define MOE_XPU_INSTANTIATE_N_DOT(TOut) \
