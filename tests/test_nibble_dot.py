@@ -131,14 +131,16 @@ def test_agrees_with_the_vector_kernel(nibble_dot, fmt, kw):
 
 
 @pytest.mark.parametrize("fmt,kw", [NIBBLE_FORMATS[1], NIBBLE_FORMATS[3]], ids=["int4-g64", "mxfp4"])
-def test_bitwise_the_same_for_every_worker_count(nibble_dot, fmt, kw):
+def test_bitwise_the_same_for_every_worker_count_and_executor(nibble_dot, fmt, kw):
     counts, K, N = [10, 3, 0, 25, 7, 15], 384 + 64, 50
     go = offsets(counts)
     q = weights(len(counts), K, N, fmt, kw)
     a = torch.randn(sum(counts), K).to(torch.bfloat16)
     outs = []
-    for workers in (0, 1, 3, 16):
-        out, kernel = run(a, q, go, num_workers=workers)
+    # On the runtime's thread pool (work-groups running at once, each its own local memory) and on
+    # the calling thread (one after another).
+    for workers, calling_thread in itertools.product((0, 1, 3, 16), (1, 2)):
+        out, kernel = run(a, q, go, num_workers=workers, calling_thread=calling_thread)
         assert "nibble_dot" in kernel
         outs.append(out)
     for out in outs[1:]:
