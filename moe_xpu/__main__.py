@@ -73,9 +73,9 @@ def info(warm_up: bool = False) -> None:
         print("  int8 dot       " + ("AVX512-VNNI (vpdpbusd) kernel for W8A8 where groups average more than 2 rows, "
                                      "weights contiguous along K with one scale per output channel; self-check passed "
                                      "(MOE_XPU_INT8_DOT=0: off)" if t["int8_dot"] else C.int8_dot_state()))
-        print("  4-bit dot      " + ("AVX512-BF16 (vdpbf16ps) kernel for int4 (one zero point) and MXFP4 weights with "
-                                     "bf16 activations where groups average more than 2 rows, the values decoded "
-                                     "to bf16 in registers; self-check passed (MOE_XPU_NIBBLE_DOT=0: off)"
+        print("  4-bit/fp8 dot  " + ("AVX512-BF16 (vdpbf16ps) kernels for int4 (one zero point), MXFP4 and fp8 e4m3 "
+                                     "weights with bf16 activations where groups average more than 2 rows, the values "
+                                     "decoded to bf16 in registers; self-check passed (MOE_XPU_NIBBLE_DOT=0: off)"
                                      if t["nibble_dot"] else C.nibble_dot_state()))
         limit = t["inline_flops"]
         weights = t["inline_bytes"]

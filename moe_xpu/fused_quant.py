@@ -42,7 +42,7 @@ def _fused_sycl(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts
     gather_index, group_offsets, scatter_index = fused._sort_tokens_impl(topk_ids, E)
 
     # 1. h = act(x[token] @ gate) * (x[token] @ up), rows in expert order: float32, or bf16 in a
-    # bf16 block whose second GEMM multiplies bf16 (the matrix engine, the 4-bit dot-product kernel;
+    # bf16 block whose second GEMM multiplies bf16 (the matrix engine, the 4-bit or fp8 dot-product kernel;
     # a bf16 model's own expert block rounds h so too), written at half the bytes instead of
     # rounded in the packing.
     h_dtype = torch.float32
@@ -63,7 +63,7 @@ _ENGINE_PLANS = _dispatch.MetadataTable()
 
 def _multiplies_bf16(q: QuantizedExperts, group_offsets, rows: int) -> bool:
     """Whether the launcher plans q's GEMM over ``rows`` rows of bf16 A (float32 output) on a
-    kernel that multiplies bf16 values (the matrix engine, the 4-bit dot-product kernel). Planning
+    kernel that multiplies bf16 values (the matrix engine, the 4-bit and fp8 dot-product kernels). Planning
     reads no tensor values: empty tensors stand for A and the output. Kept per metadata, so a
     repeated call (a decode step's shapes) does not plan it again."""
     a_dtype = torch.bfloat16
@@ -76,7 +76,8 @@ def _multiplies_bf16(q: QuantizedExperts, group_offsets, rows: int) -> bool:
     args = quant_args(probe, q, group_offsets, None, None, None, out)
     args.a_rows = args.out_rows = rows
     plan = _runtime.sycl_module().plan_gemm(args) if rows > 0 else None
-    return _ENGINE_PLANS.keep(key, plan is not None and (plan.matrix_engine or "nibble_dot" in plan.kernel_name))
+    bf16_kernel = plan is not None and ("nibble_dot" in plan.kernel_name or "fp8_dot" in plan.kernel_name)
+    return _ENGINE_PLANS.keep(key, plan is not None and (plan.matrix_engine or bf16_kernel))
 
 
 def _fused_reference(hidden_states, gate_up: QuantizedExperts, down: QuantizedExperts, topk_weights, topk_ids,

@@ -39,9 +39,9 @@ struct DeviceDescription {
   // CPU: the compiler's target and the CPU run AVX512-VNNI (vpdpbusd), which the W8A8 dot-product
   // kernel (moe_gemm_dot.cpp) is written in. GPUs: false.
   bool int8_dot = false;
-  // CPU: the compiler's target and the CPU run AVX512-BF16, and the 4-bit dot-product kernel
-  // (moe_gemm_dot.cpp: vdpbf16ps on weights decoded with AVX512-BW permutes) passed its
-  // self-check. GPUs: false.
+  // CPU: the compiler's target and the CPU run AVX512-BF16, and the weight-decoding dot-product
+  // kernels (moe_gemm_dot.cpp: 4-bit and fp8 weights decoded to bf16 with AVX512-BW, vdpbf16ps)
+  // passed their self-check. GPUs: false.
   bool nibble_dot = false;
 
   bool has_matrix_shape(int m, int n, int k) const {

@@ -315,9 +315,10 @@ struct DotStatus {
   std::string bf16, int8, nibble;  // "" where the family may run, else why not
 };
 
-// The 4-bit kernel's self-check (moe_xpu_nibble_dot_probe): one 4 x 4 tile over two blocks of 128
-// k with small integer A, codes covering all 16 values and power-of-two scales, so every sum is
-// exact, for each of its four scale forms.
+// The weight-decoding kernels' self-check (moe_xpu_nibble_dot_probe): one 4 x 4 tile over two
+// blocks of 128 k with small integer A, codes covering all 16 values and power-of-two scales, so
+// every sum is exact, for each of the 4-bit kernel's four scale forms, and fp8 codes over the
+// exponents 0-10 (subnormals and signs included), unscaled and with block scales.
 std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
   constexpr int kK = 256, kBlocks = kK / 128, kGroups = kK / 32, kCols = kNibbleCols;
   auto a_value = [](int i, int kk) { return (i * 7 + kk * 3) % 11 - 5; };
@@ -331,7 +332,7 @@ std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
   for (int i = 0; i < kNibbleRows; ++i)
     for (int kk = 0; kk < kK; ++kk) a[i * kK + kk] = bf16_of(float(a_value(i, kk)));
   // The packed lines: byte 4 l + r / 2 of column c's line in block blk holds k = blk 128 + 16 r + l.
-  std::vector<std::uint8_t> bytes(kBlocks * 512 + kCols * kGroups * 5, 0);
+  std::vector<std::uint8_t> bytes(kBlocks * 512 + kCols * kGroups * 5 + kCols * kK, 0);
   for (int c = 0; c < 8; ++c)
     for (int kk = 0; kk < kK; ++kk) {
       const int blk = kk / 128, r = (kk % 128) / 16, l = kk % 16;
@@ -345,10 +346,21 @@ std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
       std::memcpy(&bytes[kBlocks * 512 + (c * kGroups + t) * 4], &f, 4);
       bytes[kBlocks * 512 + kCols * kGroups * 4 + c * kGroups + t] = std::uint8_t(e8m0(c, t));
     }
+  // fp8 e4m3 codes after the e8m0 scales, column by column: exponents 0-10 (subnormals, zeros and
+  // signs included), so that every sum is exact.
+  auto fp8_code = [](int c, int kk) { return ((c * 3 + kk * 5) % 11) << 3 | (kk * 7 + c) % 8 | ((kk + c) % 3 == 0) << 7; };
+  auto fp8_value = [](int code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    const float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    return code & 0x80 ? -v : v;
+  };
+  const std::size_t fp8_at = kBlocks * 512 + kCols * kGroups * 5;
+  for (int c = 0; c < kCols; ++c)
+    for (int kk = 0; kk < kK; ++kk) bytes[fp8_at + c * kK + kk] = std::uint8_t(fp8_code(c, kk));
   std::vector<std::uint16_t> b((bytes.size() + 1) / 2, 0);
   std::memcpy(b.data(), bytes.data(), bytes.size());
   const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  std::vector<float> expected(4 * 16, 0.0f);
+  std::vector<float> expected(6 * 16, 0.0f);
   for (int v = 0; v < 4; ++v)
     for (int i = 0; i < kNibbleRows; ++i)
       for (int j = 0; j < kCols; ++j) {
@@ -366,6 +378,14 @@ std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
             acc += t * (v < 3 ? f32_scale(j, idx) : std::ldexp(1.0f, e8m0(j, idx) - 127));
           }
         expected[16 * v + i * kCols + j] = acc;
+      }
+  for (int i = 0; i < kNibbleRows; ++i)
+    for (int j = 0; j < kCols; ++j)
+      for (int blk = 0; blk < kBlocks; ++blk) {
+        float t = 0.0f;
+        for (int kk = blk * 128; kk < (blk + 1) * 128; ++kk) t += float(a_value(i, kk)) * fp8_value(fp8_code(j, kk));
+        expected[64 + i * kCols + j] += t;
+        expected[80 + i * kCols + j] += t * f32_scale(0, blk);
       }
   return run_dot_probe(q, k, a, b, kK, expected);
 }
@@ -671,7 +691,7 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
   // (The runtime's persistent cache does not tell CPU targets apart: moe_xpu/_runtime.py gives
   // each target its own cache directory.)
   std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n" +
-                                             ((t == DType::int8 && d.int8_dot) || ((t == DType::int4 || t == DType::mxfp4) && d.nibble_dot)
+                                             ((t == DType::int8 && d.int8_dot) || ((t == DType::int4 || t == DType::mxfp4 || t == DType::fp8_e4m3) && d.nibble_dot)
                                                   ? std::string(kMoeGemmDotSource) + "\n"
                                                   : std::string())
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +

@@ -255,7 +255,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dot_gated:
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
     case Family::nibble_dot:
-    case Family::nibble_dot_gated: return {TileShape{kNibbleRows, kNibbleCols}};
+    case Family::nibble_dot_gated:
+    case Family::fp8_dot: return {TileShape{kNibbleRows, kNibbleCols}};
     case Family::dot_kn:
     case Family::dot_wgrad: return {TileShape{kNDotRows, kNDotCols / int(kSubGroupSize)}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
@@ -330,7 +331,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
     case Family::nibble_dot:
-    case Family::nibble_dot_gated: return kNibbleLocal * 4;  // its constants and a tile's sums
+    case Family::nibble_dot_gated:
+    case Family::fp8_dot: return kNibbleLocal * 4;  // its constants and a tile's sums
     case Family::dot_kn:
     case Family::dot_wgrad: return kNDotSums * 4;  // a tile's accumulators
   }
@@ -373,6 +375,10 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
   }
   if (f == Family::quant_dot) {
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
+    return args.str();
+  }
+  if (f == Family::fp8_dot) {
+    args << type_name(out);
     return args.str();
   }
   if (f == Family::nibble_dot || f == Family::nibble_dot_gated) {
@@ -422,6 +428,7 @@ std::string kernel_base(Family f) {
     case Family::quant_dot: return "quant_dot";
     case Family::nibble_dot:
     case Family::nibble_dot_gated: return "nibble_dot";
+    case Family::fp8_dot: return "fp8_dot";
     case Family::dot_kn: return "n_dot";
     case Family::dot_wgrad: return "dot_wgrad";
   }
@@ -446,7 +453,7 @@ bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
          f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::dot_kn &&
          f != Family::dot_wgrad && f != Family::quant_dot && f != Family::nibble_dot &&
-         f != Family::nibble_dot_gated;
+         f != Family::nibble_dot_gated && f != Family::fp8_dot;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -522,11 +529,12 @@ bool dequantizes_to_engine(const DeviceDescription& d, DType t, DType out) {
          std::find(a.begin(), a.end(), DType::bfloat16) != a.end();
 }
 
-// Whether a quantized bundle compiles the 4-bit dot-product kernel: 4-bit B, bf16 activations
-// among the bundle's (bf16 or float32 output), on a CPU where it passed its self-check.
+// Whether a quantized bundle compiles the weight-decoding dot-product kernels (4-bit and fp8 B):
+// bf16 activations among the bundle's (bf16 or float32 output), on a CPU where they passed their
+// self-check.
 bool nibble_dot_compiles(const DeviceDescription& d, DType t, DType out) {
   const std::vector<DType> a = quant_a_dtypes(t, out);
-  return d.nibble_dot && (t == DType::int4 || t == DType::mxfp4) &&
+  return d.nibble_dot && (t == DType::int4 || t == DType::mxfp4 || t == DType::fp8_e4m3) &&
          std::find(a.begin(), a.end(), DType::bfloat16) != a.end();
 }
 
@@ -543,7 +551,9 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
       }
     if (d.int8_dot && t == DType::int8)
       variants.push_back(Variant{Family::quant_dot, DType::int8, t, out, family_tiles(Family::quant_dot, d, t)[0]});
-    if (nibble_dot_compiles(d, t, out))
+    if (nibble_dot_compiles(d, t, out) && t == DType::fp8_e4m3)
+      variants.push_back(Variant{Family::fp8_dot, DType::bfloat16, t, out, family_tiles(Family::fp8_dot, d, t)[0]});
+    else if (nibble_dot_compiles(d, t, out))
       for (Family f : {Family::nibble_dot, Family::nibble_dot_gated})
         variants.push_back(Variant{f, DType::bfloat16, t, out, family_tiles(f, d, t)[0]});
     if (engine_takes(d, t) && t == DType::int8)
@@ -680,13 +690,23 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
                           args.scale_stride_k == 1 &&
                           (args.scale_block_k == 32 || args.scale_block_k == 64 || args.scale_block_k == 128) &&
                           args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
+  // fp8 with bf16 activations likewise, not gated, B contiguous along K, scales per output channel
+  // or per 128 x 128 block contiguous along K (a tile's 4 columns inside one block row).
+  const bool use_fp8_dot = !use_matrix && !use_dot && args.engine == 0 && !gated &&
+                           args.dtype == DType::fp8_e4m3 && nibble_dot_compiles(d, args.dtype, args.out_dtype) &&
+                           args.a_dtype == DType::bfloat16 && args.b_stride_k == 1 &&
+                           (args.scale_block_k >= args.K ||
+                            (args.scale_block_k == 128 && args.scale_block_n % 4 == 0 && args.scale_stride_k == 1)) &&
+                           args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
   const Family family = use_dot      ? Family::quant_dot
+                        : use_fp8_dot ? Family::fp8_dot
                         : use_nibble ? (gated ? Family::nibble_dot_gated : Family::nibble_dot)
                         : !use_matrix ? (gated ? Family::quant_gated : Family::quant)
                         : w8a8      ? Family::quant_matrix
                         : gated     ? Family::dequant_matrix_gated
                                     : Family::dequant_matrix;
-  const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix && !use_dot && !use_nibble);
+  const bool dot_family = use_dot || use_nibble || use_fp8_dot;
+  const TileShape shape = forward_tile(family, args, d, rows_per_group, !use_matrix && !dot_family);
   LaunchPlan plan;
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;
@@ -694,7 +714,7 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   // is widened at each read (CPU, 16tok-E8 on the 4-row tile, cold, median of 7, bf16 -> float32
   // A: int8 14.5 -> 12.3 ms, int4 12.5 -> 11.1, MXFP4 12.0 -> 10.8, fp8 22.9 -> 21.6). Not measured
   // on a GPU, where it would cost two more launches (the copy of A, the output's rounding).
-  plan.widen_a = d.is_cpu && !use_matrix && !use_nibble && shape.tile_m > 1 &&
+  plan.widen_a = d.is_cpu && !use_matrix && !use_nibble && !use_fp8_dot && shape.tile_m > 1 &&
                  (args.a_dtype == DType::bfloat16 || args.a_dtype == DType::float16);
   plan.tile_m = shape.tile_m;
   plan.tile_n = use_matrix ? (gated ? 1 : 2) * e.m : gated ? shape.tile_n / 2 : shape.tile_n;

@@ -1,6 +1,6 @@
-"""The 4-bit dot-product kernel (moe_gemm_nibble_dot in sycl/kernels/moe_gemm_dot.cpp: int4 with
-one zero point and MXFP4 weights decoded to bf16 in registers, AVX512-BF16 dot products) on CPUs
-that run it: the plan picks it where it should and nowhere else, and against float64 on the
+"""The weight-decoding dot-product kernels (moe_gemm_nibble_dot and moe_gemm_fp8_dot in
+sycl/kernels/moe_gemm_dot.cpp: int4 with one zero point, MXFP4 and fp8 e4m3 weights decoded to bf16
+in registers, AVX512-BF16 dot products) on CPUs that run them: the plan picks it where it should and nowhere else, and against float64 on the
 dequantized weights it is within the quantized kernels' bound (twice the naive float32 error plus a
 few output ulps) on shapes that break its 4 x 4 tile and its 128-k block (K with a short last
 block, N not a multiple of 4, short last row tiles, empty groups, one group taking every row),
@@ -50,6 +50,20 @@ def run(a, q, go, gather_index=None, bias=None, out_dtype=torch.bfloat16, **over
 
 def weights(E, K, N, fmt, kw):
     return moe_xpu.quantize_experts(torch.randn(E, N, K).transpose(1, 2), fmt, **kw)
+
+
+def record_fused_kernels(C, monkeypatch):
+    """The kernel names fused_moe's quantized launches plan, in order, appended to the list returned."""
+    from moe_xpu import fused_quant
+
+    kernels, run_quant = [], fused_quant.run_quant
+
+    def recording(*args, **kwargs):
+        kwargs["configure"] = lambda a: kernels.append(C.plan_gemm(a).kernel_name)
+        return run_quant(*args, **kwargs)
+
+    monkeypatch.setattr(fused_quant, "run_quant", recording)
+    return kernels
 
 
 def test_plan_picks_the_kernel_where_it_should(nibble_dot):
@@ -176,7 +190,6 @@ def test_fused_moe_runs_both_gemms_on_it(nibble_dot, monkeypatch, fmt, kw, activ
     """fused_moe on 4-bit weights with bf16 hidden states: the gated first GEMM (2 gate and 2 up
     columns a tile) and the second (h in bf16, which it multiplies) both on this kernel, within the
     quantized fused tests' bound against float64, with biases, bitwise the same when repeated."""
-    from moe_xpu import fused_quant
     from test_fused_moe import make_block
     from test_fused_moe_quant import check, quantize_block
 
@@ -185,17 +198,102 @@ def test_fused_moe_runs_both_gemms_on_it(nibble_dot, monkeypatch, fmt, kw, activ
     T, H, I, E, k = 40, 384 + short, 128 + 2 * short, 6, 2
     x, gu, dn, w, ids, biases = make_block(T, H, I, E, k, torch.bfloat16, routing, bias=True)
     q1, q2, w1, w2 = quantize_block(gu, dn, fmt, kw)
-    C, kernels = nibble_dot, []
-    run_quant = fused_quant.run_quant
-
-    def recording(*args, **kwargs):
-        kwargs["configure"] = lambda a: kernels.append(C.plan_gemm(a).kernel_name)
-        return run_quant(*args, **kwargs)
-
-    monkeypatch.setattr(fused_quant, "run_quant", recording)
+    kernels = record_fused_kernels(nibble_dot, monkeypatch)
     out = moe_xpu.fused_moe(x, q1, q2, w, ids, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
     assert "moe_gemm_nibble_dot<" in kernels[0] and kernels[0].endswith("true>"), kernels[0]
     assert "moe_gemm_nibble_dot<" in kernels[1] and kernels[1].endswith("false>"), kernels[1]
     check(out, x, w1, w2, w, ids, activation, biases)
     again = moe_xpu.fused_moe(x, q1, q2, w, ids, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
     assert torch.equal(again, out)
+
+
+# fp8 e4m3 weights on the same design (moe_gemm_fp8_dot): scales per 128 x 128 block (DeepSeek-V3's
+# layout) or per output channel.
+FP8_FORMATS = [{}, {"block_size": None}]
+FP8_IDS = ["fp8-block128", "fp8-channel"]
+
+
+def test_fp8_plan_picks_the_kernel_where_it_should(nibble_dot):
+    E, K, N = 6, 256, 40
+    go = offsets([4] * E)
+    a = torch.randn(4 * E, K).to(torch.bfloat16)
+    for kw in FP8_FORMATS:
+        q = weights(E, K, N, "fp8", kw)
+        assert "moe_gemm_fp8_dot<uint16_t>" in run(a, q, go)[1]
+        assert "moe_gemm_fp8_dot<float>" in run(a, q, go, out_dtype=torch.float32)[1]
+        assert "fp8_dot" not in run(a[:E], q, offsets([1] * E))[1]  # decode: the streaming tile
+        assert "fp8_dot" not in run(a.float(), q, go, out_dtype=torch.float32)[1]
+        assert "fp8_dot" not in run(a, q, go, engine=1)[1]
+        assert "fp8_dot" not in run(a, q, go, tile_m=4, tile_n=4)[1]
+    # Blocks of 64 columns along K: not the layouts the assembly reads.
+    q = weights(E, K, N, "fp8", {"block_size": (128, 64)})
+    assert "fp8_dot" not in run(a, q, go)[1]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("K,N", [(128, 1), (256 + 17, 7), (384, 4), (1152 + 100, 133)])
+@pytest.mark.parametrize("kw", FP8_FORMATS, ids=FP8_IDS)
+def test_fp8_matches_float64_on_breaking_shapes(nibble_dot, kw, K, N, routing):
+    E, T = 5, 43
+    counts = route(routing, E, T)
+    go = offsets(counts)
+    q = weights(E, K, N, "fp8", kw)
+    a = torch.randn(T + 2, K).to(torch.bfloat16)
+    bias = torch.randn(E, N)
+    out, kernel = run(a, q, go, bias=bias)
+    if sum(counts) / E > 2:
+        assert "fp8_dot" in kernel
+    M = sum(counts)
+    assert_quant_close(out[:M], a[:M], q.dequantize(), go, bias=bias)
+    assert not out[M:].any()
+
+
+@pytest.mark.parametrize("kw", FP8_FORMATS, ids=FP8_IDS)
+def test_fp8_every_code_and_index_table_as_the_vector_kernel(nibble_dot, kw):
+    """Every e4m3 code (zeros, subnormals, both NaNs) in each column, read through an index table
+    from strided rows: NaN exactly where the vector kernel has it, within float rounding of it
+    elsewhere, bitwise the same for every worker count and executor."""
+    E, K, N = 3, 512, 12
+    codes = torch.arange(256, dtype=torch.uint8).repeat(E, N, K // 256 + 1)[:, :, :K]
+    codes = codes.roll(shifts=5, dims=2)
+    codes[:, :, ::7] = 0x01  # more subnormals
+    data = codes.view(torch.float8_e4m3fn)
+    q0 = weights(E, K, N, "fp8", kw)
+    q = quant.QuantizedExperts("fp8", data.contiguous(), q0.scale, None, q0.block, q0.shape, q0.k_contiguous_source)
+    base = torch.randn(30, 2 * K).to(torch.bfloat16)
+    a = base[:, :K]
+    go = offsets([10, 0, 14])
+    gi = torch.randint(0, 30, (24,))
+    out, kernel = run(a, q, go, gather_index=gi, out_dtype=torch.float32)
+    vector, other = run(a, q, go, gather_index=gi, out_dtype=torch.float32, engine=1)
+    assert "fp8_dot" in kernel and "fp8_dot" not in other
+    assert torch.equal(out.isnan(), vector.isnan()) and out.isnan().any()
+    # Away from NaN: the same codes with the NaNs set to zero, against the vector kernel and float64.
+    clean = codes.clone()
+    clean[(clean & 0x7F) == 0x7F] = 0
+    qc = quant.QuantizedExperts("fp8", clean.view(torch.float8_e4m3fn).contiguous(), q0.scale, None, q0.block,
+                                q0.shape, q0.k_contiguous_source)
+    got, _ = run(a, qc, go, gather_index=gi, out_dtype=torch.float32)
+    want, _ = run(a, qc, go, gather_index=gi, out_dtype=torch.float32, engine=1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_quant_close(got, a, qc.dequantize(), go, gather_index=gi, out_dtype=torch.float32)
+    for workers, calling_thread in itertools.product((1, 3, 16), (1, 2)):
+        again, _ = run(a, qc, go, gather_index=gi, out_dtype=torch.float32, num_workers=workers,
+                       calling_thread=calling_thread)
+        assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("kw", FP8_FORMATS, ids=FP8_IDS)
+def test_fp8_fused_moe_second_gemm_on_it(nibble_dot, monkeypatch, kw):
+    """fused_moe on fp8 weights with bf16 hidden states: the gated first GEMM on the vector kernel
+    writes h in bf16 for the second, which runs on this kernel; within the quantized fused bound."""
+    from test_fused_moe import make_block
+    from test_fused_moe_quant import check, quantize_block
+
+    x, gu, dn, w, ids, biases = make_block(40, 256 + 64, 256, 6, 2, torch.bfloat16, "random", bias=True)
+    q1, q2, w1, w2 = quantize_block(gu, dn, "fp8", kw)
+    kernels = record_fused_kernels(nibble_dot, monkeypatch)
+    out = moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1])
+    assert "moe_gemm_fp8_dot<" in kernels[1], kernels
+    check(out, x, w1, w2, w, ids, "silu", biases)
+    assert torch.equal(moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1]), out)

@@ -880,10 +880,116 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 #undef MOE_XPU_NIB_COLUMN2
 #undef MOE_XPU_NIB_QUARTER
 #undef MOE_XPU_NIB_COLUMN4
+#undef MOE_XPU_NIB_TILE
+
+// ---------------------------------------------------------------------------------------------
+// fp8 e4m3 weights (K contiguous) with bf16 activations on the same design: 32 bytes of a column
+// decoded to 32 exact bf16 values, ten instructions: the magnitude m = b & 0x7f shifted into bf16's
+// exponent and mantissa (m << 4, + 120 << 7: normals), codes 1-7 (subnormal m 2^-9) and 0 from an
+// 8-entry table (vpermw under the mask m < 8), 0x7f as NaN, the sign moved to bit 15. Tile 4 x 4,
+// any 4 columns (a pointer each, advanced 128 bytes a block). Scales: one per output channel (the
+// dot products accumulate unscaled, the lanes scale each sum once) or one per 128 x 128 block
+// (ScaledBlocks: each block's products in a zeroed register, scaled by an FMA; the tile's 4 columns
+// share the block's scale, so one pointer, 4 bytes a block). Constants in the local area (words):
+// 0x7f, 120 << 7, 8, the subnormal table, the quiet NaN, 0x8000 (16-word vectors from floats
+// [0, 96)); the sums at kNibbleSums.
+#define MOE_XPU_FP8_DECODE(j, c)                                         \
+  "vpmovzxbw " #c "*32(%[b" #j "]), %%zmm22\n\t"                         \
+  "vpandd %%zmm16, %%zmm22, %%zmm23\n\t"                                 \
+  "vpcmpeqw %%zmm16, %%zmm23, %%k2\n\t"                                  \
+  "vpcmpuw $1, %%zmm18, %%zmm23, %%k1\n\t"                               \
+  "vpsllw $4, %%zmm23, %%zmm24\n\t"                                      \
+  "vpaddw %%zmm17, %%zmm24, %%zmm24\n\t"                                 \
+  "vpermw %%zmm19, %%zmm23, %%zmm24%{%%k1%}\n\t"                         \
+  "vmovdqu16 %%zmm20, %%zmm24%{%%k2%}\n\t"                               \
+  "vpsllw $8, %%zmm22, %%zmm25\n\t"                                      \
+  "vpternlogd $0xf8, %%zmm21, %%zmm25, %%zmm24\n\t"
+#define MOE_XPU_FP8_DOT(i, c, t) "vdpbf16ps " #c "*64(%[a" #i "],%[ko]), %%zmm24, %%zmm" #t "\n\t"
+// Column j over one block: unscaled straight into the accumulators, or ScaledBlocks through the
+// row temps zmm26-29 and the block's scale (zmm30).
+#define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3) \
+  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_FP8_DOT(1, c, r1) MOE_XPU_FP8_DOT(2, c, r2) MOE_XPU_FP8_DOT(3, c, r3)
+#define MOE_XPU_FP8_COLUMN(j, r0, r1, r2, r3)                                                        \
+  MOE_XPU_FP8_SUB(j, 0, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 1, r0, r1, r2, r3)                       \
+  MOE_XPU_FP8_SUB(j, 2, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 3, r0, r1, r2, r3)
+#define MOE_XPU_FP8_ZERO4 \
+  "vpxord %%zmm26, %%zmm26, %%zmm26\n\t" "vpxord %%zmm27, %%zmm27, %%zmm27\n\t" \
+  "vpxord %%zmm28, %%zmm28, %%zmm28\n\t" "vpxord %%zmm29, %%zmm29, %%zmm29\n\t"
+#define MOE_XPU_FP8_SCALE4(r0, r1, r2, r3)                                                  \
+  "vfmadd231ps %%zmm30, %%zmm26, %%zmm" #r0 "\n\t" "vfmadd231ps %%zmm30, %%zmm27, %%zmm" #r1 "\n\t" \
+  "vfmadd231ps %%zmm30, %%zmm28, %%zmm" #r2 "\n\t" "vfmadd231ps %%zmm30, %%zmm29, %%zmm" #r3 "\n\t"
+#define MOE_XPU_FP8_SCALED_COLUMN(j, r0, r1, r2, r3) \
+  MOE_XPU_FP8_ZERO4 MOE_XPU_FP8_COLUMN(j, 26, 27, 28, 29) MOE_XPU_FP8_SCALE4(r0, r1, r2, r3)
+#define MOE_XPU_FP8_TILE(COLUMN, SCALE_LOAD, SCALE_STEP)                                                     \
+  asm volatile(                                                                                             \
+      MOE_XPU_DOT_ZERO_TILE                                                                                 \
+      "vmovdqu16 -320(%[sums]), %%zmm16\n\t" "vmovdqu16 -256(%[sums]), %%zmm17\n\t"                         \
+      "vmovdqu16 -192(%[sums]), %%zmm18\n\t" "vmovdqu16 -128(%[sums]), %%zmm19\n\t"                         \
+      "vmovdqu16 -64(%[sums]), %%zmm20\n\t" "vmovdqu16 64(%[sums]), %%zmm21\n\t"                            \
+      "1:\n\t"                                                                                              \
+      "prefetcht0 1024(%[b0])\n\t" "prefetcht0 1088(%[b0])\n\t" "prefetcht0 1024(%[b1])\n\t"               \
+      "prefetcht0 1088(%[b1])\n\t" "prefetcht0 1024(%[b2])\n\t" "prefetcht0 1088(%[b2])\n\t"               \
+      "prefetcht0 1024(%[b3])\n\t" "prefetcht0 1088(%[b3])\n\t"                                            \
+      SCALE_LOAD                                                                                            \
+      COLUMN(0, 0, 4, 8, 12) COLUMN(1, 1, 5, 9, 13) COLUMN(2, 2, 6, 10, 14) COLUMN(3, 3, 7, 11, 15)         \
+      "add $128, %[b0]\n\t" "add $128, %[b1]\n\t" "add $128, %[b2]\n\t" "add $128, %[b3]\n\t"             \
+      SCALE_STEP                                                                                            \
+      "add $256, %[ko]\n\t"                                                                                 \
+      "jnz 1b\n\t"                                                                                          \
+      MOE_XPU_DOT_SUM(0) MOE_XPU_DOT_SUM(1) MOE_XPU_DOT_SUM(2) MOE_XPU_DOT_SUM(3) MOE_XPU_DOT_SUM(4)       \
+      MOE_XPU_DOT_SUM(5) MOE_XPU_DOT_SUM(6) MOE_XPU_DOT_SUM(7) MOE_XPU_DOT_SUM(8) MOE_XPU_DOT_SUM(9)       \
+      MOE_XPU_DOT_SUM(10) MOE_XPU_DOT_SUM(11) MOE_XPU_DOT_SUM(12) MOE_XPU_DOT_SUM(13) MOE_XPU_DOT_SUM(14)  \
+      MOE_XPU_DOT_SUM(15)                                                                                   \
+      : [ko] "+r"(ko), [b0] "+r"(b0), [b1] "+r"(b1), [b2] "+r"(b2), [b3] "+r"(b3), [sc] "+r"(sc)             \
+      : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),                     \
+        [sums] "r"(local + kNibbleSums)                                                                     \
+      : "memory", "cc", "k1", "k2", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8",   \
+        "zmm9", "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19",    \
+        "zmm20", "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30",   \
+        "zmm31")
+
+// The sums of a 4 x 4 fp8 tile over `blocks` whole blocks of 128 k into local[kNibbleSums + 4 i +
+// j]: A rows end at a_end[i] (128 blocks elements past their start), column j's bytes from b[j] on,
+// ScaledBlocks: the block scales from `scale` on (float32, one a block). blocks > 0.
+template <bool ScaledBlocks>
+inline void fp8_tile_sums(float* local, const uint16_t* const (&a_end)[4], const uint8_t* const (&b)[4],
+                          int64_t blocks, const float* scale) {
+  int64_t ko = -256 * blocks;
+  const uint8_t *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3];
+  const float* sc = scale;
+  if constexpr (ScaledBlocks)
+    MOE_XPU_FP8_TILE(MOE_XPU_FP8_SCALED_COLUMN, "vbroadcastss (%[sc]), %%zmm30\n\t", "add $4, %[sc]\n\t");
+  else
+    MOE_XPU_FP8_TILE(MOE_XPU_FP8_COLUMN, "", "");
+}
+
+#undef MOE_XPU_FP8_DECODE
+#undef MOE_XPU_FP8_DOT
+#undef MOE_XPU_FP8_SUB
+#undef MOE_XPU_FP8_COLUMN
+#undef MOE_XPU_FP8_ZERO4
+#undef MOE_XPU_FP8_SCALE4
+#undef MOE_XPU_FP8_SCALED_COLUMN
+#undef MOE_XPU_FP8_TILE
 #undef MOE_XPU_DOT_SUM
 #undef MOE_XPU_DOT_ZERO_TILE
 #undef MOE_XPU_DOT_TILE_SUMS
-#undef MOE_XPU_NIB_TILE
+
+// The fp8 kernel's constants (see above), written by the sub-group's lanes.
+inline void fp8_constants(float* local, int lane) {
+  uint16_t* words = reinterpret_cast<uint16_t*>(local);
+  // m 2^-9 for the subnormal codes m = 1..7 (bf16 bits), and zero.
+  constexpr uint16_t kSubnormal[8] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+  for (int h = 0; h < 2; ++h) {
+    const int w = lane + 16 * h;
+    words[w] = 0x7f;
+    words[32 + w] = 120 << 7;
+    words[64 + w] = 8;
+    words[96 + w] = kSubnormal[lane % 8];
+    words[128 + w] = 0x7fc0;
+    words[2 * (kNibbleSums + 16) + w] = 0x8000;  // after the sums
+  }
+}
 
 // The local area's constants (see kNibbleLocal), written by the sub-group's lanes: lane l's
 // table entry is the bf16 bits of code l's value (exact), `e8m0` also fills the scale table.
@@ -1005,6 +1111,84 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
       });
 }
 
+// fp8 e4m3 B contiguous along K with bf16 A (fp8_tile_sums): the quantized kernels' parameters.
+// Scales one per output channel (scale_block_k >= K: each column's sum scaled once here) or per
+// 128 x 128 block (scale_block_k == 128, the tile's 4 columns inside one block row, the blocks
+// contiguous along K). Whole blocks of 128 k in the assembly; the rest of K by the lanes in float.
+template <typename TOut>
+MOE_XPU_KERNEL
+void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                      int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
+                      int64_t /*b_stride_k: 1*/, const void* scale, int64_t scale_stride_e,
+                      int64_t scale_stride_n, int64_t scale_stride_k, int64_t scale_block_n,
+                      int64_t scale_block_k, const uint8_t*, int64_t, int64_t, int64_t,
+                      const float*, const float* bias, int64_t bias_stride_e, TOut* out,
+                      int64_t out_row_stride, int64_t out_rows, const void* group_offsets, int offsets_is64,
+                      int64_t num_groups, int64_t K, int64_t N, int, int64_t, const void* scatter_index,
+                      int scatter_is64, const float* row_weight) {
+  constexpr int TM = kNibbleRows, TN = kNibbleCols;
+  const Worker w = this_worker();
+  const int64_t tiles_n = (N + TN - 1) / TN;
+  const int64_t blocks = K / 128;
+  const int64_t k_blocks = blocks * 128;
+  const bool per_channel = scale_block_k >= K;
+  float* local = local_floats<kNibbleLocal>();
+  fp8_constants(local, w.lane);
+  sycl::group_barrier(w.sg);
+  const uint8_t* bytes = static_cast<const uint8_t*>(b);
+  const float* scales = static_cast<const float*>(scale);
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
+      UnitCost{int64_t(TM) * TN, int64_t(TN) * 7},
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * TN;
+        int64_t b_n[TN];
+        const uint8_t* b_col[TN];
+        for (int j = 0; j < TN; ++j) {
+          b_n[j] = tile_b_column<TN, false>(n0, j, N, 0);
+          b_col[j] = bytes + g * b_stride_e + b_n[j] * b_stride_n;
+        }
+        const float* scale_row = scales + g * scale_stride_e + (n0 / scale_block_n) * scale_stride_n;
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
+          auto a_row = [&](int i) {
+            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
+          };
+          if (g < num_groups && blocks > 0) {
+            const uint16_t* a_end[TM];
+            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
+            if (w.lane == 0) {
+              if (per_channel) fp8_tile_sums<false>(local, a_end, b_col, blocks, scale_row);
+              else fp8_tile_sums<true>(local, a_end, b_col, blocks, scale_row);
+            }
+            sycl::group_barrier(w.sg);
+          }
+          const int i = w.lane / TN, j = w.lane % TN;
+          if (i < valid && n0 + j < N) {
+            float s = 0.0f;
+            if (g < num_groups) {
+              const int64_t n = n0 + j;
+              const float* col_scales = scales + g * scale_stride_e + (n / scale_block_n) * scale_stride_n;
+              if (blocks > 0) s = local[kNibbleSums + w.lane];
+              const uint16_t* ar = a_row(i);
+              if (per_channel) {
+                for (int64_t k = k_blocks; k < K; ++k) s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[j][k], 0.0f), s);
+                s *= col_scales[0];
+              } else {
+                for (int64_t k = k_blocks; k < K; ++k)
+                  s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[j][k], 0.0f) * col_scales[(k / scale_block_k) * scale_stride_k], s);
+              }
+              if (bias != nullptr) s += bias[g * bias_stride_e + n];
+            }
+            const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+            out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(s * t.weight);
+          }
+          sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
+        }
+      });
+}
+
 }  // namespace moe_xpu
 #endif
 
@@ -1096,12 +1280,30 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
     out[16 * v + w.lane] = local[kNibbleSums + w.lane];
     sycl::group_barrier(w.sg);
   }
+  // fp8: the columns' k e4m3 bytes after the e8m0 scales, unscaled (v = 4) and with the first
+  // column's float scales one a block (v = 5).
+  const uint8_t* fp8 = reinterpret_cast<const uint8_t*>(e8 + kNibbleCols * (k / 32));
+  const uint8_t* cols[kNibbleCols];
+  for (int j = 0; j < kNibbleCols; ++j) cols[j] = fp8 + j * k;
+  fp8_constants(local, w.lane);
+  sycl::group_barrier(w.sg);
+  for (int v = 4; v < 6; ++v) {
+    if (w.lane == 0) {
+      if (v == 4) fp8_tile_sums<false>(local, a_end, cols, blocks, reinterpret_cast<const float*>(f32));
+      else fp8_tile_sums<true>(local, a_end, cols, blocks, reinterpret_cast<const float*>(f32));
+    }
+    sycl::group_barrier(w.sg);
+    out[16 * v + w.lane] = local[kNibbleSums + w.lane];
+    sycl::group_barrier(w.sg);
+  }
 }
 #endif
 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
 // MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>",
 // or after moe_gemm_quant.cpp (MOE_XPU_QUANT_KERNEL_PARAMS), e.g. MOE_XPU_INSTANTIATE_QUANT_DOT(uint16_t, 4, 6).
+#define MOE_XPU_INSTANTIATE_FP8_DOT(TOut) \
+  template void moe_xpu::moe_gemm_fp8_dot<TOut>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_NIBBLE_DOT(FMT, TOut, GATED) \
   template void moe_xpu::moe_gemm_nibble_dot<FMT, TOut, GATED>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
