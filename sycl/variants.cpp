@@ -256,7 +256,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
     case Family::nibble_dot:
     case Family::nibble_dot_gated:
-    case Family::fp8_dot: return {TileShape{kNibbleRows, kNibbleCols}};
+    case Family::fp8_dot:
+    case Family::fp8_dot_gated: return {TileShape{kNibbleRows, kNibbleCols}};
     case Family::dot_kn:
     case Family::dot_wgrad: return {TileShape{kNDotRows, kNDotCols / int(kSubGroupSize)}};
     // TK rows of K x TN vectors of 16 columns: 16 accumulators where AVX-512 holds a vector in one
@@ -332,7 +333,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
     case Family::nibble_dot:
     case Family::nibble_dot_gated:
-    case Family::fp8_dot: return kNibbleLocal * 4;  // its constants and a tile's sums
+    case Family::fp8_dot:
+    case Family::fp8_dot_gated: return kNibbleLocal * 4;  // its constants and a tile's sums
     case Family::dot_kn:
     case Family::dot_wgrad: return kNDotSums * 4;  // a tile's accumulators
   }
@@ -377,8 +379,8 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n;
     return args.str();
   }
-  if (f == Family::fp8_dot) {
-    args << type_name(out);
+  if (f == Family::fp8_dot || f == Family::fp8_dot_gated) {
+    args << type_name(out) << ", " << (f == Family::fp8_dot_gated ? "true" : "false");
     return args.str();
   }
   if (f == Family::nibble_dot || f == Family::nibble_dot_gated) {
@@ -428,7 +430,8 @@ std::string kernel_base(Family f) {
     case Family::quant_dot: return "quant_dot";
     case Family::nibble_dot:
     case Family::nibble_dot_gated: return "nibble_dot";
-    case Family::fp8_dot: return "fp8_dot";
+    case Family::fp8_dot:
+    case Family::fp8_dot_gated: return "fp8_dot";
     case Family::dot_kn: return "n_dot";
     case Family::dot_wgrad: return "dot_wgrad";
   }
@@ -453,7 +456,7 @@ bool has_float_a_variant(Family f, DType t) {
   return t != DType::float32 && f != Family::n_lanes && f != Family::matrix_kn && f != Family::wgrad &&
          f != Family::matrix_wgrad && f != Family::dot && f != Family::dot_gated && f != Family::dot_kn &&
          f != Family::dot_wgrad && f != Family::quant_dot && f != Family::nibble_dot &&
-         f != Family::nibble_dot_gated && f != Family::fp8_dot;
+         f != Family::nibble_dot_gated && f != Family::fp8_dot && f != Family::fp8_dot_gated;
 }
 
 // MOE_XPU_NUM_WORKERS=n fixes the persistent scheduler's worker count (tests run with odd counts,
@@ -551,10 +554,9 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
       }
     if (d.int8_dot && t == DType::int8)
       variants.push_back(Variant{Family::quant_dot, DType::int8, t, out, family_tiles(Family::quant_dot, d, t)[0]});
-    if (nibble_dot_compiles(d, t, out) && t == DType::fp8_e4m3)
-      variants.push_back(Variant{Family::fp8_dot, DType::bfloat16, t, out, family_tiles(Family::fp8_dot, d, t)[0]});
-    else if (nibble_dot_compiles(d, t, out))
-      for (Family f : {Family::nibble_dot, Family::nibble_dot_gated})
+    if (nibble_dot_compiles(d, t, out))
+      for (Family f : t == DType::fp8_e4m3 ? std::vector<Family>{Family::fp8_dot, Family::fp8_dot_gated}
+                                            : std::vector<Family>{Family::nibble_dot, Family::nibble_dot_gated})
         variants.push_back(Variant{f, DType::bfloat16, t, out, family_tiles(f, d, t)[0]});
     if (engine_takes(d, t) && t == DType::int8)
       variants.push_back(Variant{Family::quant_matrix, DType::int8, t, out, family_tiles(Family::quant_matrix, d, t)[0]});
@@ -690,16 +692,19 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
                           args.scale_stride_k == 1 &&
                           (args.scale_block_k == 32 || args.scale_block_k == 64 || args.scale_block_k == 128) &&
                           args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
-  // fp8 with bf16 activations likewise, not gated, B contiguous along K, scales per output channel
-  // or per 128 x 128 block contiguous along K (a tile's 4 columns inside one block row).
-  const bool use_fp8_dot = !use_matrix && !use_dot && args.engine == 0 && !gated &&
+  // fp8 with bf16 activations likewise, B contiguous along K, scales per output channel or per
+  // 128 x 128 block contiguous along K (a tile's 4 columns inside one block row; gated: each of its
+  // column pairs, with an even output width and up offset).
+  const bool use_fp8_dot = !use_matrix && !use_dot && args.engine == 0 &&
+                           (!gated || (args.N % 2 == 0 && args.up_offset % 2 == 0)) &&
                            args.dtype == DType::fp8_e4m3 && nibble_dot_compiles(d, args.dtype, args.out_dtype) &&
                            args.a_dtype == DType::bfloat16 && args.b_stride_k == 1 &&
                            (args.scale_block_k >= args.K ||
-                            (args.scale_block_k == 128 && args.scale_block_n % 4 == 0 && args.scale_stride_k == 1)) &&
+                            (args.scale_block_k == 128 && args.scale_block_n % (gated ? 2 : 4) == 0 &&
+                             args.scale_stride_k == 1)) &&
                            args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
   const Family family = use_dot      ? Family::quant_dot
-                        : use_fp8_dot ? Family::fp8_dot
+                        : use_fp8_dot ? (gated ? Family::fp8_dot_gated : Family::fp8_dot)
                         : use_nibble ? (gated ? Family::nibble_dot_gated : Family::nibble_dot)
                         : !use_matrix ? (gated ? Family::quant_gated : Family::quant)
                         : w8a8      ? Family::quant_matrix

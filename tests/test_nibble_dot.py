@@ -219,8 +219,8 @@ def test_fp8_plan_picks_the_kernel_where_it_should(nibble_dot):
     a = torch.randn(4 * E, K).to(torch.bfloat16)
     for kw in FP8_FORMATS:
         q = weights(E, K, N, "fp8", kw)
-        assert "moe_gemm_fp8_dot<uint16_t>" in run(a, q, go)[1]
-        assert "moe_gemm_fp8_dot<float>" in run(a, q, go, out_dtype=torch.float32)[1]
+        assert "moe_gemm_fp8_dot<uint16_t, false>" in run(a, q, go)[1]
+        assert "moe_gemm_fp8_dot<float, false>" in run(a, q, go, out_dtype=torch.float32)[1]
         assert "fp8_dot" not in run(a[:E], q, offsets([1] * E))[1]  # decode: the streaming tile
         assert "fp8_dot" not in run(a.float(), q, go, out_dtype=torch.float32)[1]
         assert "fp8_dot" not in run(a, q, go, engine=1)[1]
@@ -284,16 +284,21 @@ def test_fp8_every_code_and_index_table_as_the_vector_kernel(nibble_dot, kw):
 
 
 @pytest.mark.parametrize("kw", FP8_FORMATS, ids=FP8_IDS)
-def test_fp8_fused_moe_second_gemm_on_it(nibble_dot, monkeypatch, kw):
-    """fused_moe on fp8 weights with bf16 hidden states: the gated first GEMM on the vector kernel
-    writes h in bf16 for the second, which runs on this kernel; within the quantized fused bound."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fp8_fused_moe_runs_both_gemms_on_it(nibble_dot, monkeypatch, kw, activation):
+    """fused_moe on fp8 weights with bf16 hidden states: the gated first GEMM (2 gate and 2 up
+    columns a tile, each pair with its own block scales) and the second (h in bf16) on this kernel,
+    within the quantized fused bound, bitwise the same when repeated."""
     from test_fused_moe import make_block
     from test_fused_moe_quant import check, quantize_block
 
-    x, gu, dn, w, ids, biases = make_block(40, 256 + 64, 256, 6, 2, torch.bfloat16, "random", bias=True)
+    # H with a short last block, I even with one too and not a multiple of the 128-column blocks.
+    x, gu, dn, w, ids, biases = make_block(40, 256 + 64, 192 + 2, 6, 2, torch.bfloat16, "random", bias=True)
     q1, q2, w1, w2 = quantize_block(gu, dn, "fp8", kw)
     kernels = record_fused_kernels(nibble_dot, monkeypatch)
-    out = moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1])
-    assert "moe_gemm_fp8_dot<" in kernels[1], kernels
-    check(out, x, w1, w2, w, ids, "silu", biases)
-    assert torch.equal(moe_xpu.fused_moe(x, q1, q2, w, ids, gate_up_bias=biases[0], down_bias=biases[1]), out)
+    out = moe_xpu.fused_moe(x, q1, q2, w, ids, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
+    assert "moe_gemm_fp8_dot<" in kernels[0] and kernels[0].endswith("true>"), kernels
+    assert "moe_gemm_fp8_dot<" in kernels[1] and kernels[1].endswith("false>"), kernels
+    check(out, x, w1, w2, w, ids, activation, biases)
+    again = moe_xpu.fused_moe(x, q1, q2, w, ids, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
+    assert torch.equal(again, out)

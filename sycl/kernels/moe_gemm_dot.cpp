@@ -909,17 +909,17 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 // row temps zmm26-29 and the block's scale (zmm30).
 #define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3) \
   MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_FP8_DOT(1, c, r1) MOE_XPU_FP8_DOT(2, c, r2) MOE_XPU_FP8_DOT(3, c, r3)
-#define MOE_XPU_FP8_COLUMN(j, r0, r1, r2, r3)                                                        \
+#define MOE_XPU_FP8_COLUMN(j, s, r0, r1, r2, r3)                                                     \
   MOE_XPU_FP8_SUB(j, 0, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 1, r0, r1, r2, r3)                       \
   MOE_XPU_FP8_SUB(j, 2, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 3, r0, r1, r2, r3)
 #define MOE_XPU_FP8_ZERO4 \
   "vpxord %%zmm26, %%zmm26, %%zmm26\n\t" "vpxord %%zmm27, %%zmm27, %%zmm27\n\t" \
   "vpxord %%zmm28, %%zmm28, %%zmm28\n\t" "vpxord %%zmm29, %%zmm29, %%zmm29\n\t"
-#define MOE_XPU_FP8_SCALE4(r0, r1, r2, r3)                                                  \
-  "vfmadd231ps %%zmm30, %%zmm26, %%zmm" #r0 "\n\t" "vfmadd231ps %%zmm30, %%zmm27, %%zmm" #r1 "\n\t" \
-  "vfmadd231ps %%zmm30, %%zmm28, %%zmm" #r2 "\n\t" "vfmadd231ps %%zmm30, %%zmm29, %%zmm" #r3 "\n\t"
-#define MOE_XPU_FP8_SCALED_COLUMN(j, r0, r1, r2, r3) \
-  MOE_XPU_FP8_ZERO4 MOE_XPU_FP8_COLUMN(j, 26, 27, 28, 29) MOE_XPU_FP8_SCALE4(r0, r1, r2, r3)
+#define MOE_XPU_FP8_SCALE4(s, r0, r1, r2, r3)                                                            \
+  "vfmadd231ps %%zmm" #s ", %%zmm26, %%zmm" #r0 "\n\t" "vfmadd231ps %%zmm" #s ", %%zmm27, %%zmm" #r1 "\n\t" \
+  "vfmadd231ps %%zmm" #s ", %%zmm28, %%zmm" #r2 "\n\t" "vfmadd231ps %%zmm" #s ", %%zmm29, %%zmm" #r3 "\n\t"
+#define MOE_XPU_FP8_SCALED_COLUMN(j, s, r0, r1, r2, r3) \
+  MOE_XPU_FP8_ZERO4 MOE_XPU_FP8_COLUMN(j, s, 26, 27, 28, 29) MOE_XPU_FP8_SCALE4(s, r0, r1, r2, r3)
 #define MOE_XPU_FP8_TILE(COLUMN, SCALE_LOAD, SCALE_STEP)                                                     \
   asm volatile(                                                                                             \
       MOE_XPU_DOT_ZERO_TILE                                                                                 \
@@ -931,7 +931,8 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
       "prefetcht0 1088(%[b1])\n\t" "prefetcht0 1024(%[b2])\n\t" "prefetcht0 1088(%[b2])\n\t"               \
       "prefetcht0 1024(%[b3])\n\t" "prefetcht0 1088(%[b3])\n\t"                                            \
       SCALE_LOAD                                                                                            \
-      COLUMN(0, 0, 4, 8, 12) COLUMN(1, 1, 5, 9, 13) COLUMN(2, 2, 6, 10, 14) COLUMN(3, 3, 7, 11, 15)         \
+      COLUMN(0, 30, 0, 4, 8, 12) COLUMN(1, 30, 1, 5, 9, 13) COLUMN(2, 31, 2, 6, 10, 14)                    \
+      COLUMN(3, 31, 3, 7, 11, 15)                                                                           \
       "add $128, %[b0]\n\t" "add $128, %[b1]\n\t" "add $128, %[b2]\n\t" "add $128, %[b3]\n\t"             \
       SCALE_STEP                                                                                            \
       "add $256, %[ko]\n\t"                                                                                 \
@@ -940,7 +941,8 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
       MOE_XPU_DOT_SUM(5) MOE_XPU_DOT_SUM(6) MOE_XPU_DOT_SUM(7) MOE_XPU_DOT_SUM(8) MOE_XPU_DOT_SUM(9)       \
       MOE_XPU_DOT_SUM(10) MOE_XPU_DOT_SUM(11) MOE_XPU_DOT_SUM(12) MOE_XPU_DOT_SUM(13) MOE_XPU_DOT_SUM(14)  \
       MOE_XPU_DOT_SUM(15)                                                                                   \
-      : [ko] "+r"(ko), [b0] "+r"(b0), [b1] "+r"(b1), [b2] "+r"(b2), [b3] "+r"(b3), [sc] "+r"(sc)             \
+      : [ko] "+r"(ko), [b0] "+r"(b0), [b1] "+r"(b1), [b2] "+r"(b2), [b3] "+r"(b3), [sc] "+r"(sc),            \
+        [scu] "+r"(scu)                                                                                     \
       : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),                     \
         [sums] "r"(local + kNibbleSums)                                                                     \
       : "memory", "cc", "k1", "k2", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8",   \
@@ -950,15 +952,17 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 
 // The sums of a 4 x 4 fp8 tile over `blocks` whole blocks of 128 k into local[kNibbleSums + 4 i +
 // j]: A rows end at a_end[i] (128 blocks elements past their start), column j's bytes from b[j] on,
-// ScaledBlocks: the block scales from `scale` on (float32, one a block). blocks > 0.
+// ScaledBlocks: columns 0, 1's block scales from `scale` on, columns 2, 3's from `scale_up` on (a
+// gated tile's up columns; float32, one a block). blocks > 0.
 template <bool ScaledBlocks>
 inline void fp8_tile_sums(float* local, const uint16_t* const (&a_end)[4], const uint8_t* const (&b)[4],
-                          int64_t blocks, const float* scale) {
+                          int64_t blocks, const float* scale, const float* scale_up) {
   int64_t ko = -256 * blocks;
   const uint8_t *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3];
-  const float* sc = scale;
+  const float *sc = scale, *scu = scale_up;
   if constexpr (ScaledBlocks)
-    MOE_XPU_FP8_TILE(MOE_XPU_FP8_SCALED_COLUMN, "vbroadcastss (%[sc]), %%zmm30\n\t", "add $4, %[sc]\n\t");
+    MOE_XPU_FP8_TILE(MOE_XPU_FP8_SCALED_COLUMN, "vbroadcastss (%[sc]), %%zmm30\n\t" "vbroadcastss (%[scu]), %%zmm31\n\t",
+                     "add $4, %[sc]\n\t" "add $4, %[scu]\n\t");
   else
     MOE_XPU_FP8_TILE(MOE_XPU_FP8_COLUMN, "", "");
 }
@@ -1113,9 +1117,11 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
 
 // fp8 e4m3 B contiguous along K with bf16 A (fp8_tile_sums): the quantized kernels' parameters.
 // Scales one per output channel (scale_block_k >= K: each column's sum scaled once here) or per
-// 128 x 128 block (scale_block_k == 128, the tile's 4 columns inside one block row, the blocks
-// contiguous along K). Whole blocks of 128 k in the assembly; the rest of K by the lanes in float.
-template <typename TOut>
+// 128 x 128 block (scale_block_k == 128, the blocks contiguous along K; the tile's 4 columns, or a
+// gated tile's gate pair and its up pair, each inside one block row). Whole blocks of 128 k in the
+// assembly; the rest of K by the lanes in float. Gated: 2 gate and 2 up columns a tile, as in
+// moe_gemm_nibble_dot.
+template <typename TOut, bool Gated>
 MOE_XPU_KERNEL
 void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                       int gather_is64, const void* b, int64_t b_stride_e, int64_t b_stride_n,
@@ -1124,11 +1130,12 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
                       int64_t scale_block_k, const uint8_t*, int64_t, int64_t, int64_t,
                       const float*, const float* bias, int64_t bias_stride_e, TOut* out,
                       int64_t out_row_stride, int64_t out_rows, const void* group_offsets, int offsets_is64,
-                      int64_t num_groups, int64_t K, int64_t N, int, int64_t, const void* scatter_index,
-                      int scatter_is64, const float* row_weight) {
+                      int64_t num_groups, int64_t K, int64_t N, int activation, int64_t up_offset,
+                      const void* scatter_index, int scatter_is64, const float* row_weight) {
   constexpr int TM = kNibbleRows, TN = kNibbleCols;
+  constexpr int out_cols = Gated ? TN / 2 : TN;
   const Worker w = this_worker();
-  const int64_t tiles_n = (N + TN - 1) / TN;
+  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
   const int64_t blocks = K / 128;
   const int64_t k_blocks = blocks * 128;
   const bool per_channel = scale_block_k >= K;
@@ -1141,14 +1148,15 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
       w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
       UnitCost{int64_t(TM) * TN, int64_t(TN) * 7},
       [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
-        const int64_t n0 = n_tile * TN;
+        const int64_t n0 = n_tile * out_cols;
         int64_t b_n[TN];
         const uint8_t* b_col[TN];
         for (int j = 0; j < TN; ++j) {
-          b_n[j] = tile_b_column<TN, false>(n0, j, N, 0);
+          b_n[j] = tile_b_column<TN, Gated>(n0, j, N, up_offset);
           b_col[j] = bytes + g * b_stride_e + b_n[j] * b_stride_n;
         }
-        const float* scale_row = scales + g * scale_stride_e + (n0 / scale_block_n) * scale_stride_n;
+        const float* scale_row = scales + g * scale_stride_e + (b_n[0] / scale_block_n) * scale_stride_n;
+        const float* scale_row_up = scales + g * scale_stride_e + (b_n[2] / scale_block_n) * scale_stride_n;
         for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
           const int64_t m0 = row_begin + m_tile * TM;
           const int64_t valid = tile_valid_rows(rows, m_tile, TM);
@@ -1159,30 +1167,34 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
             if (w.lane == 0) {
-              if (per_channel) fp8_tile_sums<false>(local, a_end, b_col, blocks, scale_row);
-              else fp8_tile_sums<true>(local, a_end, b_col, blocks, scale_row);
+              if (per_channel) fp8_tile_sums<false>(local, a_end, b_col, blocks, scale_row, scale_row_up);
+              else fp8_tile_sums<true>(local, a_end, b_col, blocks, scale_row, scale_row_up);
             }
             sycl::group_barrier(w.sg);
           }
-          const int i = w.lane / TN, j = w.lane % TN;
-          if (i < valid && n0 + j < N) {
-            float s = 0.0f;
-            if (g < num_groups) {
-              const int64_t n = n0 + j;
-              const float* col_scales = scales + g * scale_stride_e + (n / scale_block_n) * scale_stride_n;
-              if (blocks > 0) s = local[kNibbleSums + w.lane];
-              const uint16_t* ar = a_row(i);
-              if (per_channel) {
-                for (int64_t k = k_blocks; k < K; ++k) s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[j][k], 0.0f), s);
-                s *= col_scales[0];
-              } else {
-                for (int64_t k = k_blocks; k < K; ++k)
-                  s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[j][k], 0.0f) * col_scales[(k / scale_block_k) * scale_stride_k], s);
-              }
-              if (bias != nullptr) s += bias[g * bias_stride_e + n];
+          // Lane l: tile element l's sum (row l / 4, column l % 4), its K rest, scale and bias; lane
+          // i * 4 + j then stores output (i, j) (gated: the activation of its gate sum times lane
+          // i * 4 + j + 2's up sum).
+          const int i = w.lane / TN, c = w.lane % TN;
+          float s = 0.0f;
+          if (g < num_groups) {
+            const float* col_scales = scales + g * scale_stride_e + (b_n[c] / scale_block_n) * scale_stride_n;
+            if (blocks > 0) s = local[kNibbleSums + w.lane];
+            const uint16_t* ar = a_row(i);
+            if (per_channel) {
+              for (int64_t k = k_blocks; k < K; ++k) s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[c][k], 0.0f), s);
+              s *= col_scales[0];
+            } else {
+              for (int64_t k = k_blocks; k < K; ++k)
+                s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[c][k], 0.0f) * col_scales[(k / scale_block_k) * scale_stride_k], s);
             }
+            if (bias != nullptr) s += bias[g * bias_stride_e + b_n[c]];
+          }
+          float r = s;
+          if constexpr (Gated) r = activate(activation, s) * sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
+          if (i < valid && c < out_cols && n0 + c < N) {
             const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-            out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(s * t.weight);
+            out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(r * t.weight);
           }
           sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
         }
@@ -1289,8 +1301,9 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
   sycl::group_barrier(w.sg);
   for (int v = 4; v < 6; ++v) {
     if (w.lane == 0) {
-      if (v == 4) fp8_tile_sums<false>(local, a_end, cols, blocks, reinterpret_cast<const float*>(f32));
-      else fp8_tile_sums<true>(local, a_end, cols, blocks, reinterpret_cast<const float*>(f32));
+      const float* scale = reinterpret_cast<const float*>(f32);
+      if (v == 4) fp8_tile_sums<false>(local, a_end, cols, blocks, scale, scale);
+      else fp8_tile_sums<true>(local, a_end, cols, blocks, scale, scale);
     }
     sycl::group_barrier(w.sg);
     out[16 * v + w.lane] = local[kNibbleSums + w.lane];
@@ -1302,8 +1315,8 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
 // MOE_XPU_INSTANTIATE_K_DOT(uint16_t, 4, 6, false) for "moe_xpu::moe_gemm_k_dot<uint16_t, 4, 6, false>",
 // or after moe_gemm_quant.cpp (MOE_XPU_QUANT_KERNEL_PARAMS), e.g. MOE_XPU_INSTANTIATE_QUANT_DOT(uint16_t, 4, 6).
-#define MOE_XPU_INSTANTIATE_FP8_DOT(TOut) \
-  template void moe_xpu::moe_gemm_fp8_dot<TOut>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
+#define MOE_XPU_INSTANTIATE_FP8_DOT(TOut, GATED) \
+  template void moe_xpu::moe_gemm_fp8_dot<TOut, GATED>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_NIBBLE_DOT(FMT, TOut, GATED) \
   template void moe_xpu::moe_gemm_nibble_dot<FMT, TOut, GATED>(MOE_XPU_QUANT_KERNEL_PARAMS(uint16_t, TOut));
 #define MOE_XPU_INSTANTIATE_QUANT_DOT(TOut, TM, TN) \
