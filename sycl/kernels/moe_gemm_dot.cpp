@@ -754,11 +754,11 @@ constexpr int64_t kNibbleSums = 80;
 constexpr int64_t kNibbleE8m0 = 96;
 
 #define MOE_XPU_NIB_AHEAD "4096"
-#define MOE_XPU_NIB_PREFETCH(P)                                                                             \
-  "prefetcht0 " MOE_XPU_NIB_AHEAD "+0(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+64(%[" P "],%[ko],2)\n\t"   \
-  "prefetcht0 " MOE_XPU_NIB_AHEAD "+128(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+192(%[" P "],%[ko],2)\n\t" \
-  "prefetcht0 " MOE_XPU_NIB_AHEAD "+256(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+320(%[" P "],%[ko],2)\n\t" \
-  "prefetcht0 " MOE_XPU_NIB_AHEAD "+384(%[" P "],%[ko],2)\n\t" "prefetcht0 " MOE_XPU_NIB_AHEAD "+448(%[" P "],%[ko],2)\n\t"
+#define MOE_XPU_NIB_LINE_AHEAD(P, off) "prefetcht0 " MOE_XPU_NIB_AHEAD "+" #off "(%[" P "],%[ko],2)\n\t"
+#define MOE_XPU_NIB_PREFETCH(P)                                                                         \
+  MOE_XPU_NIB_LINE_AHEAD(P, 0) MOE_XPU_NIB_LINE_AHEAD(P, 64) MOE_XPU_NIB_LINE_AHEAD(P, 128)            \
+  MOE_XPU_NIB_LINE_AHEAD(P, 192) MOE_XPU_NIB_LINE_AHEAD(P, 256) MOE_XPU_NIB_LINE_AHEAD(P, 320)         \
+  MOE_XPU_NIB_LINE_AHEAD(P, 384) MOE_XPU_NIB_LINE_AHEAD(P, 448)
 // Column j's line: columns 0, 1 from the pair at b, 2, 3 from the pair at bu (b + 128 bytes, or a
 // gated tile's up columns).
 #define MOE_XPU_NIB_LINE0 "(%[b],%[ko],2)"
@@ -862,6 +862,7 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 
 #undef MOE_XPU_NIB_AHEAD
 #undef MOE_XPU_NIB_PREFETCH
+#undef MOE_XPU_NIB_LINE_AHEAD
 #undef MOE_XPU_NIB_LINE0
 #undef MOE_XPU_NIB_LINE1
 #undef MOE_XPU_NIB_LINE2
@@ -907,8 +908,9 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 #define MOE_XPU_FP8_DOT(i, c, t) "vdpbf16ps " #c "*64(%[a" #i "],%[ko]), %%zmm24, %%zmm" #t "\n\t"
 // Column j over one block: unscaled straight into the accumulators, or ScaledBlocks through the
 // row temps zmm26-29 and the block's scale (zmm30).
-#define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3) \
-  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_FP8_DOT(1, c, r1) MOE_XPU_FP8_DOT(2, c, r2) MOE_XPU_FP8_DOT(3, c, r3)
+#define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3)                                                   \
+  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_FP8_DOT(1, c, r1) MOE_XPU_FP8_DOT(2, c, r2) \
+  MOE_XPU_FP8_DOT(3, c, r3)
 #define MOE_XPU_FP8_COLUMN(j, s, r0, r1, r2, r3)                                                     \
   MOE_XPU_FP8_SUB(j, 0, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 1, r0, r1, r2, r3)                       \
   MOE_XPU_FP8_SUB(j, 2, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 3, r0, r1, r2, r3)
@@ -1181,17 +1183,16 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
             const float* col_scales = scales + g * scale_stride_e + (b_n[c] / scale_block_n) * scale_stride_n;
             if (blocks > 0) s = local[kNibbleSums + w.lane];
             const uint16_t* ar = a_row(i);
-            if (per_channel) {
-              for (int64_t k = k_blocks; k < K; ++k) s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[c][k], 0.0f), s);
-              s *= col_scales[0];
-            } else {
-              for (int64_t k = k_blocks; k < K; ++k)
-                s = sycl::fma(to_float(ar[k]), Fp8Weights::value(b_col[c][k], 0.0f) * col_scales[(k / scale_block_k) * scale_stride_k], s);
+            for (int64_t k = k_blocks; k < K; ++k) {
+              const float v = Fp8Weights::value(b_col[c][k], 0.0f);
+              s = sycl::fma(to_float(ar[k]), per_channel ? v : v * col_scales[(k / scale_block_k) * scale_stride_k], s);
             }
+            if (per_channel) s *= col_scales[0];
             if (bias != nullptr) s += bias[g * bias_stride_e + b_n[c]];
           }
           float r = s;
-          if constexpr (Gated) r = activate(activation, s) * sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
+          if constexpr (Gated)  // the up sum of (i, c) is lane i * 4 + c + 2's
+            r = activate(activation, s) * sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
           if (i < valid && c < out_cols && n0 + c < N) {
             const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
             out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(r * t.weight);
