@@ -1024,6 +1024,25 @@ inline void nibble_constants(float* local, int lane, float code_value, bool e8m0
 #ifdef MOE_XPU_QUANT_KERNEL_PARAMS
 namespace moe_xpu {
 
+// The weight-decoding kernels' 4 x 4 tile epilogue: lane l holds tile element l's finished sum s
+// (row l / 4, column l % 4) and stores output (row, column) of its row tile at m0, n0; Gated: the
+// activation of the gate sum of lanes with column 0, 1 times the up sum of the lane 2 on, the outputs
+// 2 columns wide. Every lane calls it (the up sums cross lanes).
+template <bool Gated, typename TOut>
+inline void store_dot4_output(const Worker& w, float s, int activation, int64_t valid, int64_t n0, int64_t N,
+                              int64_t m0, TOut* out, int64_t out_row_stride, int64_t out_rows,
+                              const void* scatter_index, int scatter_is64, const float* row_weight) {
+  constexpr int out_cols = Gated ? kNibbleCols / 2 : kNibbleCols;
+  const int i = w.lane / kNibbleCols, c = w.lane % kNibbleCols;
+  float r = s;
+  if constexpr (Gated)  // the up sum of (i, c) is lane i * 4 + c + 2's
+    r = activate(activation, s) * sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
+  if (i < valid && c < out_cols && n0 + c < N) {
+    const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+    out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(r * t.weight);
+  }
+}
+
 // int4 (one zero point for the launch: the symmetric constant or one given) or MXFP4 B in the
 // packed layout, bf16 A, float32 scales contiguous along K (one per group of 32, 64 or 128 k) or
 // e8m0 ones: the quantized kernels' parameters. Whole blocks of 128 k run in the assembly
@@ -1103,15 +1122,8 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
             }
             if (bias != nullptr) s += bias[g * bias_stride_e + b_n[c]];
           }
-          float r = s;
-          if constexpr (Gated) {  // the up sum of (i, c) is lane i * 4 + c + 2's
-            const float up = sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
-            r = activate(activation, s) * up;
-          }
-          if (i < valid && c < out_cols && n0 + c < N) {
-            const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-            out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(r * t.weight);
-          }
+          store_dot4_output<Gated>(w, s, activation, valid, n0, N, m0, out, out_row_stride, out_rows, scatter_index,
+                                   scatter_is64, row_weight);
           sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
         }
       });
@@ -1190,13 +1202,8 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
             if (per_channel) s *= col_scales[0];
             if (bias != nullptr) s += bias[g * bias_stride_e + b_n[c]];
           }
-          float r = s;
-          if constexpr (Gated)  // the up sum of (i, c) is lane i * 4 + c + 2's
-            r = activate(activation, s) * sycl::select_from_group(w.sg, s, uint32_t(w.lane + 2) % kLanes);
-          if (i < valid && c < out_cols && n0 + c < N) {
-            const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-            out[t.row * out_row_stride + n0 + c] = FromFloat<TOut>::convert(r * t.weight);
-          }
+          store_dot4_output<Gated>(w, s, activation, valid, n0, N, m0, out, out_row_stride, out_rows, scatter_index,
+                                   scatter_is64, row_weight);
           sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
         }
       });
