@@ -678,31 +678,29 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
                                                args.tile_m == 0 && args.tile_n == 0);
   const bool use_dot = !use_matrix && w8a8 && d.int8_dot && args.engine == 0 && args.b_stride_k == 1 &&
                        args.scale_block_k >= args.K && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
-  // 4-bit B with bf16 activations on AVX512-BF16 (no matrix engine taking it): the dot-product
-  // kernel where groups average more than 2 rows (the one-row decode tile streams the weights and
-  // stays on the vector kernel), with one zero point for the launch (int4's symmetric constant or
-  // one given), scales contiguous along K in groups of 32, 64 or 128 (MXFP4: 32) and K of at least
-  // one packed block; gated with an even output width and up offset (each gate and up column pair
-  // in one chunk). Tile overrides address the vector kernels.
+  // Quantized B with bf16 activations on AVX512-BF16 (no matrix engine taking it): the
+  // weight-decoding dot-product kernels where groups average more than 2 rows (the one-row decode
+  // tile streams the weights and stays on the vector kernel), K of at least one 128-k block, gated
+  // with an even output width and up offset (each gate and up column pair in one packed chunk or
+  // block row). Tile overrides address the vector kernels.
+  const bool decodes_to_bf16 = !use_matrix && !use_dot && args.engine == 0 &&
+                               (!gated || (args.N % 2 == 0 && args.up_offset % 2 == 0)) &&
+                               nibble_dot_compiles(d, args.dtype, args.out_dtype) &&
+                               args.a_dtype == DType::bfloat16 && args.K >= 128 && rows_per_group > 2.0 &&
+                               args.tile_m == 0 && args.tile_n == 0;
+  // 4-bit B: one zero point for the launch (int4's symmetric constant or one given), scales
+  // contiguous along K in groups of 32, 64 or 128 (MXFP4: 32).
   const bool one_zero_point = args.zero_stride_e == 0 && args.zero_stride_n == 0 && args.zero_stride_k == 0;
-  const bool use_nibble = !use_matrix && !use_dot && args.engine == 0 &&
-                          (!gated || (args.N % 2 == 0 && args.up_offset % 2 == 0)) &&
-                          nibble_dot_compiles(d, args.dtype, args.out_dtype) && args.a_dtype == DType::bfloat16 &&
+  const bool use_nibble = decodes_to_bf16 && args.dtype != DType::fp8_e4m3 &&
                           (args.dtype == DType::mxfp4 || one_zero_point) && args.scale_block_n == 1 &&
                           args.scale_stride_k == 1 &&
-                          (args.scale_block_k == 32 || args.scale_block_k == 64 || args.scale_block_k == 128) &&
-                          args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
-  // fp8 with bf16 activations likewise, B contiguous along K, scales per output channel or per
-  // 128 x 128 block contiguous along K (a tile's 4 columns inside one block row; gated: each of its
-  // column pairs, with an even output width and up offset).
-  const bool use_fp8_dot = !use_matrix && !use_dot && args.engine == 0 &&
-                           (!gated || (args.N % 2 == 0 && args.up_offset % 2 == 0)) &&
-                           args.dtype == DType::fp8_e4m3 && nibble_dot_compiles(d, args.dtype, args.out_dtype) &&
-                           args.a_dtype == DType::bfloat16 && args.b_stride_k == 1 &&
+                          (args.scale_block_k == 32 || args.scale_block_k == 64 || args.scale_block_k == 128);
+  // fp8: B contiguous along K, scales per output channel or per 128 x 128 block contiguous along K
+  // (a tile's 4 columns inside one block row; gated: each of its column pairs).
+  const bool use_fp8_dot = decodes_to_bf16 && args.dtype == DType::fp8_e4m3 && args.b_stride_k == 1 &&
                            (args.scale_block_k >= args.K ||
                             (args.scale_block_k == 128 && args.scale_block_n % (gated ? 2 : 4) == 0 &&
-                             args.scale_stride_k == 1)) &&
-                           args.K >= 128 && rows_per_group > 2.0 && args.tile_m == 0 && args.tile_n == 0;
+                             args.scale_stride_k == 1));
   const Family family = use_dot      ? Family::quant_dot
                         : use_fp8_dot ? (gated ? Family::fp8_dot_gated : Family::fp8_dot)
                         : use_nibble ? (gated ? Family::nibble_dot_gated : Family::nibble_dot)
@@ -719,7 +717,7 @@ LaunchPlan plan_quant(const GemmArgs& args, const DeviceDescription& d) {
   // is widened at each read (CPU, 16tok-E8 on the 4-row tile, cold, median of 7, bf16 -> float32
   // A: int8 14.5 -> 12.3 ms, int4 12.5 -> 11.1, MXFP4 12.0 -> 10.8, fp8 22.9 -> 21.6). Not measured
   // on a GPU, where it would cost two more launches (the copy of A, the output's rounding).
-  plan.widen_a = d.is_cpu && !use_matrix && !use_nibble && !use_fp8_dot && shape.tile_m > 1 &&
+  plan.widen_a = d.is_cpu && !use_matrix && !dot_family && shape.tile_m > 1 &&
                  (args.a_dtype == DType::bfloat16 || args.a_dtype == DType::float16);
   plan.tile_m = shape.tile_m;
   plan.tile_n = use_matrix ? (gated ? 1 : 2) * e.m : gated ? shape.tile_n / 2 : shape.tile_n;
