@@ -626,7 +626,8 @@ std::string queue_key(const sycl::queue& q) {
 }
 
 // The environment variable that names a development copy of the kernel source for B of type t
-// (see kernel_source_text).
+// (see kernel_source_text), and the one for moe_gemm_dot.cpp (every bundle that appends it).
+constexpr const char* kDotSourceVariable = "MOE_XPU_DOT_KERNEL_SOURCE";
 const char* source_variable(DType t) {
   return is_quantized(t) ? "MOE_XPU_QUANT_KERNEL_SOURCE" : "MOE_XPU_KERNEL_SOURCE";
 }
@@ -639,12 +640,14 @@ std::string bundle_key(const sycl::queue& q, const DeviceDescription& d, DType t
   // clearing the Python tables of prepared calls, ops._PREPARED and fused._PREPARED, which keep
   // the kernel they resolved first).
   if (const char* path = std::getenv(source_variable(t))) key += std::string("/") + path;
+  if (const char* path = std::getenv(kDotSourceVariable)) key += std::string("/dot:") + path;
   return key;
 }
 
 // An embedded kernel source, or for kernel development the file named by the environment
 // variable (MOE_XPU_KERNEL_SOURCE for moe_gemm.cpp, MOE_XPU_QUANT_KERNEL_SOURCE for
-// moe_gemm_quant.cpp): edit and rerun without rebuilding the module.
+// moe_gemm_quant.cpp, MOE_XPU_DOT_KERNEL_SOURCE for moe_gemm_dot.cpp): edit and rerun without
+// rebuilding the module.
 std::string kernel_source_text(const char* variable, const char* embedded) {
   const char* path = std::getenv(variable);
   if (path == nullptr || *path == '\0') return embedded;
@@ -692,11 +695,11 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
   // each target its own cache directory.)
   std::string source = is_quantized(t) ? kernel_source_text(source_variable(t), kMoeGemmQuantSource) + "\n" +
                                              ((t == DType::int8 && d.int8_dot) || ((t == DType::int4 || t == DType::mxfp4 || t == DType::fp8_e4m3) && d.nibble_dot)
-                                                  ? std::string(kMoeGemmDotSource) + "\n"
+                                                  ? kernel_source_text(kDotSourceVariable, kMoeGemmDotSource) + "\n"
                                                   : std::string())
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
-  if (t == DType::bfloat16 && d.bf16_dot) source += std::string(kMoeGemmDotSource) + "\n";
+  if (t == DType::bfloat16 && d.bf16_dot) source += kernel_source_text(kDotSourceVariable, kMoeGemmDotSource) + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);

@@ -207,6 +207,28 @@ def test_fused_moe_runs_both_gemms_on_it(nibble_dot, monkeypatch, fmt, kw, activ
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("fmt,kw", NIBBLE_FORMATS[:1] + NIBBLE_FORMATS[3:] + [("fp8", {}), ("fp8", {"block_size": None})],
+                         ids=["int4", "mxfp4", "fp8-block128", "fp8-channel"])
+def test_a_row_does_not_depend_on_its_tile(nibble_dot, fmt, kw):
+    """A row tile runs only the rows it holds (1 to 4: the group's last tile may be short), each row's
+    sums its own: a row's output is bitwise the same whatever else its group holds, and each group
+    size's outputs are within the float64 bound."""
+    K, N = (512 if fmt == "int4" else 384 + 32), 9  # whole int4 groups; a short last 128-k block otherwise
+    q = weights(2, K, N, fmt, kw)
+    a = torch.randn(9, K).to(torch.bfloat16)
+    first = None
+    for rows in range(3, 10):
+        go = offsets([rows, 3])
+        x = torch.cat([a[:rows], a[:3]])
+        out, kernel = run(x, q, go)
+        assert "_dot<" in kernel, kernel
+        assert_quant_close(out, x, q.dequantize(), go)
+        if first is None:
+            first = out[:3], out[3:]
+        assert torch.equal(out[:3], first[0]), rows  # group 0's first 3 rows, in tiles of 1 to 4 rows
+        assert torch.equal(out[rows:], first[1]), rows  # group 1's 3 rows: one short tile
+
+
 # fp8 e4m3 weights on the same design (moe_gemm_fp8_dot): scales per 128 x 128 block (DeepSeek-V3's
 # layout) or per output channel.
 FP8_FORMATS = [{}, {"block_size": None}]

@@ -752,6 +752,13 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
 // assembly's pointer, the rest addressed from it), [96, 352) the e8m0 scales as floats (MXFP4).
 constexpr int64_t kNibbleSums = 80;
 constexpr int64_t kNibbleE8m0 = 96;
+// The tile's row count (int32, 1 .. 4), written by lane 0 before each tile: the dot products of row
+// i run where the count exceeds i (else on to the sub-block's end, label 2), a branch that goes the
+// same way all the tile long, so a group's last row tile costs its rows, not 4 (a group of 5 rows
+// was two whole tiles). 1088: its bytes from the sums.
+constexpr int64_t kNibbleRowCount = 352;
+static_assert((kNibbleRowCount - kNibbleSums) * 4 == 1088 && kNibbleRowCount < kNibbleLocal, "the row count's place");
+#define MOE_XPU_DOT_IF_ROW(i) "cmpl $" #i ", 1088(%[sums])\n\t" "jbe 2f\n\t"
 
 #define MOE_XPU_NIB_AHEAD "4096"
 #define MOE_XPU_NIB_LINE_AHEAD(P, off) "prefetcht0 " MOE_XPU_NIB_AHEAD "+" #off "(%[" P "],%[ko],2)\n\t"
@@ -792,18 +799,19 @@ constexpr int64_t kNibbleE8m0 = 96;
 #define MOE_XPU_NIB_ROW2(i, t, r, c0, d0, c1, d1) \
   MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, c0, d0, t) MOE_XPU_NIB_DOT(i, c1, d1, t) MOE_XPU_NIB_FMA(t, r)
 #define MOE_XPU_NIB_ROW4(i, t, r, c, d) MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, c, d, t) MOE_XPU_NIB_FMA(t, r)
-#define MOE_XPU_NIB_COLUMN1(SCALE, j, r0, r1, r2, r3)                                               \
-  MOE_XPU_NIB_DECODE(j) SCALE(j, 0) MOE_XPU_NIB_ROW1(0, 27, r0) MOE_XPU_NIB_ROW1(1, 28, r1)        \
-  MOE_XPU_NIB_ROW1(2, 29, r2) MOE_XPU_NIB_ROW1(3, 30, r3)
-#define MOE_XPU_NIB_HALF(SCALE, j, q, c0, d0, c1, d1, r0, r1, r2, r3)                                \
-  SCALE(j, q) MOE_XPU_NIB_ROW2(0, 27, r0, c0, d0, c1, d1) MOE_XPU_NIB_ROW2(1, 28, r1, c0, d0, c1, d1) \
-  MOE_XPU_NIB_ROW2(2, 29, r2, c0, d0, c1, d1) MOE_XPU_NIB_ROW2(3, 30, r3, c0, d0, c1, d1)
+#define MOE_XPU_NIB_COLUMN1(SCALE, j, r0, r1, r2, r3)                                                  \
+  MOE_XPU_NIB_DECODE(j) SCALE(j, 0) MOE_XPU_NIB_ROW1(0, 27, r0) MOE_XPU_DOT_IF_ROW(1) MOE_XPU_NIB_ROW1(1, 28, r1) \
+  MOE_XPU_DOT_IF_ROW(2) MOE_XPU_NIB_ROW1(2, 29, r2) MOE_XPU_DOT_IF_ROW(3) MOE_XPU_NIB_ROW1(3, 30, r3) "2:\n\t"
+#define MOE_XPU_NIB_HALF(SCALE, j, q, c0, d0, c1, d1, r0, r1, r2, r3)                                    \
+  SCALE(j, q) MOE_XPU_NIB_ROW2(0, 27, r0, c0, d0, c1, d1) MOE_XPU_DOT_IF_ROW(1)                         \
+  MOE_XPU_NIB_ROW2(1, 28, r1, c0, d0, c1, d1) MOE_XPU_DOT_IF_ROW(2) MOE_XPU_NIB_ROW2(2, 29, r2, c0, d0, c1, d1) \
+  MOE_XPU_DOT_IF_ROW(3) MOE_XPU_NIB_ROW2(3, 30, r3, c0, d0, c1, d1) "2:\n\t"
 #define MOE_XPU_NIB_COLUMN2(SCALE, j, r0, r1, r2, r3)                         \
   MOE_XPU_NIB_DECODE(j) MOE_XPU_NIB_HALF(SCALE, j, 0, 0, 23, 1, 24, r0, r1, r2, r3) \
   MOE_XPU_NIB_HALF(SCALE, j, 1, 2, 25, 3, 26, r0, r1, r2, r3)
-#define MOE_XPU_NIB_QUARTER(SCALE, j, q, d, r0, r1, r2, r3)                                        \
-  SCALE(j, q) MOE_XPU_NIB_ROW4(0, 27, r0, q, d) MOE_XPU_NIB_ROW4(1, 28, r1, q, d)                 \
-  MOE_XPU_NIB_ROW4(2, 29, r2, q, d) MOE_XPU_NIB_ROW4(3, 30, r3, q, d)
+#define MOE_XPU_NIB_QUARTER(SCALE, j, q, d, r0, r1, r2, r3)                                           \
+  SCALE(j, q) MOE_XPU_NIB_ROW4(0, 27, r0, q, d) MOE_XPU_DOT_IF_ROW(1) MOE_XPU_NIB_ROW4(1, 28, r1, q, d) \
+  MOE_XPU_DOT_IF_ROW(2) MOE_XPU_NIB_ROW4(2, 29, r2, q, d) MOE_XPU_DOT_IF_ROW(3) MOE_XPU_NIB_ROW4(3, 30, r3, q, d) "2:\n\t"
 #define MOE_XPU_NIB_COLUMN4(SCALE, j, r0, r1, r2, r3)                                                \
   MOE_XPU_NIB_DECODE(j) MOE_XPU_NIB_QUARTER(SCALE, j, 0, 23, r0, r1, r2, r3)                        \
   MOE_XPU_NIB_QUARTER(SCALE, j, 1, 24, r0, r1, r2, r3) MOE_XPU_NIB_QUARTER(SCALE, j, 2, 25, r0, r1, r2, r3) \
@@ -908,9 +916,9 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 #define MOE_XPU_FP8_DOT(i, c, t) "vdpbf16ps " #c "*64(%[a" #i "],%[ko]), %%zmm24, %%zmm" #t "\n\t"
 // Column j over one block: unscaled straight into the accumulators, or ScaledBlocks through the
 // row temps zmm26-29 and the block's scale (zmm30).
-#define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3)                                                   \
-  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_FP8_DOT(1, c, r1) MOE_XPU_FP8_DOT(2, c, r2) \
-  MOE_XPU_FP8_DOT(3, c, r3)
+#define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3)                                                        \
+  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_DOT_IF_ROW(1) MOE_XPU_FP8_DOT(1, c, r1)   \
+  MOE_XPU_DOT_IF_ROW(2) MOE_XPU_FP8_DOT(2, c, r2) MOE_XPU_DOT_IF_ROW(3) MOE_XPU_FP8_DOT(3, c, r3) "2:\n\t"
 #define MOE_XPU_FP8_COLUMN(j, s, r0, r1, r2, r3)                                                     \
   MOE_XPU_FP8_SUB(j, 0, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 1, r0, r1, r2, r3)                       \
   MOE_XPU_FP8_SUB(j, 2, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 3, r0, r1, r2, r3)
@@ -977,6 +985,7 @@ inline void fp8_tile_sums(float* local, const uint16_t* const (&a_end)[4], const
 #undef MOE_XPU_FP8_SCALE4
 #undef MOE_XPU_FP8_SCALED_COLUMN
 #undef MOE_XPU_FP8_TILE
+#undef MOE_XPU_DOT_IF_ROW
 #undef MOE_XPU_DOT_SUM
 #undef MOE_XPU_DOT_ZERO_TILE
 #undef MOE_XPU_DOT_TILE_SUMS
@@ -1100,6 +1109,7 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
             const char* b_end = reinterpret_cast<const char*>(pair_words[0] + blocks * kPackedBlockWords);
             const char* bu_end = reinterpret_cast<const char*>(pair_words[1] + blocks * kPackedBlockWords);
             if (w.lane == 0) {
+              reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = int32_t(valid);
               if (e8m0) nibble_tile_sums<4, true>(local, a_end, b_end, bu_end, blocks, s_col);
               else if (scale_block_k >= kPackedK) nibble_tile_sums<1, false>(local, a_end, b_end, bu_end, blocks, s_col);
               else if (scale_block_k == 64) nibble_tile_sums<2, false>(local, a_end, b_end, bu_end, blocks, s_col);
@@ -1181,6 +1191,7 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
             if (w.lane == 0) {
+              reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = int32_t(valid);
               if (per_channel) fp8_tile_sums<false>(local, a_end, b_col, blocks, scale_row, scale_row_up);
               else fp8_tile_sums<true>(local, a_end, b_col, blocks, scale_row, scale_row_up);
             }
@@ -1291,6 +1302,7 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
     const char* s[kNibbleCols];
     for (int j = 0; j < kNibbleCols; ++j) s[j] = v == 3 ? e8 + j * (k / 32) : f32 + j * (k / 32) * 4;
     if (w.lane == 0) {
+      reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = kNibbleRows;
       if (v == 0) nibble_tile_sums<1, false>(local, a_end, b_end, b_end + 128, blocks, s);
       else if (v == 1) nibble_tile_sums<2, false>(local, a_end, b_end, b_end + 128, blocks, s);
       else if (v == 2) nibble_tile_sums<4, false>(local, a_end, b_end, b_end + 128, blocks, s);
@@ -1309,6 +1321,7 @@ void moe_xpu_nibble_dot_probe(const uint16_t* a, const uint16_t* b, float* out, 
   sycl::group_barrier(w.sg);
   for (int v = 4; v < 6; ++v) {
     if (w.lane == 0) {
+      reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = kNibbleRows;
       const float* scale = reinterpret_cast<const float*>(f32);
       if (v == 4) fp8_tile_sums<false>(local, a_end, cols, blocks, scale, scale);
       else fp8_tile_sums<true>(local, a_end, cols, blocks, scale, scale);

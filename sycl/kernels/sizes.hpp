@@ -24,10 +24,11 @@ constexpr int kDotRows = 4;
 constexpr int kDotCols = 6;
 constexpr std::int64_t kDotSums = 32;
 // The 4-bit dot-product kernel's tile (moe_gemm_nibble_dot): 4 rows x 4 columns, half a chunk of
-// the packed layout; kNibbleLocal floats of work-group local memory (its constants and sums).
+// the packed layout; kNibbleLocal floats of work-group local memory (its constants, sums and row
+// count). The fp8 kernel's tile is the same.
 constexpr int kNibbleRows = 4;
 constexpr int kNibbleCols = 4;
-constexpr std::int64_t kNibbleLocal = 352;
+constexpr std::int64_t kNibbleLocal = 368;
 // The N-contiguous bf16 dot-product kernel's tile (moe_gemm_n_dot): 6 rows x 64 columns, its
 // 24 accumulators' 16 lanes each stored for the epilogue.
 constexpr int kNDotRows = 6;
