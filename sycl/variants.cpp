@@ -250,7 +250,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dequant_matrix:
     case Family::dequant_matrix_gated: return {TileShape{engine_tile(d).n, 2}};
     case Family::matrix_wgrad: return {TileShape{2 * engine_tile(d).m, 2}};
-    // The register tile its assembly is written for: 24 accumulators, 4 A and 1 B vector.
+    // The register tile its assembly is written for: 24 accumulators, 6 B and 1 A vector.
     case Family::dot:
     case Family::dot_gated:
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};

@@ -424,3 +424,23 @@ def test_dot_wgrad_non_finite_values_stay_in_their_columns(dot):
     out = _wgrad(dot, a, dy, offsets(counts, torch.int64), None, _wgrad_out(2, K, N, "kn"))
     assert torch.isinf(out[0, :, 5]).all() and torch.isfinite(out[0, :, :5]).all()
     assert torch.isfinite(out[0, :, 6:]).all() and torch.isfinite(out[1]).all()
+
+
+def test_a_row_does_not_depend_on_its_tile(dot):
+    """A row tile runs only the rows it holds (1 to 4: a group's last tile may be short), each row's
+    sums its own: a row's output is bitwise the same whatever else its group holds, and each group
+    size's outputs match the reference."""
+    K, N = 96 + 7, 13
+    b = linear_weights(2, K, N)
+    a = torch.randn(9, K, dtype=torch.bfloat16)
+    first = None
+    for rows in range(3, 10):
+        offs = offsets([rows, 3])
+        x = torch.cat([a[:rows], a[:3]])
+        assert "k_dot" in plan(dot, x, b, offs)[0].kernel_name
+        out = moe_xpu.moe_gemm(x, b, offs)
+        assert_matches_reference(out, x, b, offs)
+        if first is None:
+            first = out[:3], out[3:]
+        assert torch.equal(out[:3], first[0]), rows  # group 0's first 3 rows, in tiles of 1 to 4 rows
+        assert torch.equal(out[rows:], first[1]), rows  # group 1's 3 rows: one short tile

@@ -184,3 +184,21 @@ def test_bitwise_the_same_for_every_worker_count(int8_dot):
         assert torch.equal(out, outs[0])
     assert_close(outs[0], exact_reference(a, b, a_scale, b_scale, go), 60)
 
+
+
+def test_a_row_does_not_depend_on_its_tile(int8_dot):
+    """A row tile runs only the rows it holds (1 to 4: a group's last tile may be short): every group
+    size's sums are exact, and a row's output is bitwise the same whatever else its group holds."""
+    K, N = 192 + 5, 7
+    a, b, a_scale, b_scale = int8_problem(2, 9, K, N)
+    first = None
+    for rows in range(3, 10):
+        go = offsets([rows, 3])
+        x, xs = torch.cat([a[:rows], a[:3]]), torch.cat([a_scale[:rows], a_scale[:3]])
+        out, kernel = launch(x, b, go, xs, b_scale)
+        assert "quant_dot" in kernel, kernel
+        assert_close(out, exact_reference(x, b, xs, b_scale, go), rows + 3)
+        if first is None:
+            first = out[:3], out[3:]
+        assert torch.equal(out[:3], first[0]), rows
+        assert torch.equal(out[rows:], first[1]), rows

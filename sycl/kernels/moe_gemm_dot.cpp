@@ -12,8 +12,9 @@
 // copies of it one after another. So lane 0 of each sub-group does its worker's whole work, and
 // the launch plan is the K-split kernel's. A worker owns work units exactly as the other families do
 // (scheduler.hpp): one column tile of one group over up to kUnitRows rows. Its register tile is
-// 4 rows x 6 columns: 24 accumulators, 4 A vectors and one B vector of the 32 zmm registers. Lane
-// l of accumulator (i, j) sums the products of k = 32 s + 2 l and 32 s + 2 l + 1 over the steps s;
+// 4 rows x 6 columns: 24 accumulators, 6 B vectors and one A vector of the 32 zmm registers, row by
+// row (so a group's short last row tile skips its missing rows). Lane l of accumulator (i, j) sums
+// the products of k = 32 s + 2 l and 32 s + 2 l + 1 over the steps s;
 // the 16 lanes are added by halves afterwards, and the last K % 32 elements with float FMAs:
 // a fixed order, so results are bitwise reproducible. (`vdpbf16ps` treats subnormal bf16 inputs
 // as zero and rounds like an FMA pair; the float kernels keep subnormals, so the two families'
@@ -33,6 +34,9 @@ namespace moe_xpu {
 
 // (The tile, kDotRows x kDotCols, and kDotSums are in sizes.hpp, shared with the launcher.)
 constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
+// Where the tile's row count goes in the sums area (an int32 after the 24 sums; 96 bytes in).
+constexpr int64_t kDotRowCount = 24;
+static_assert(kDotRowCount < kDotSums, "the row count's place");
 
 // The tile's 24 accumulators zmm0..zmm23 (acc[i][j] in zmm(6 i + j)) zeroed, and summed into
 // sums[0..23] by a SUM(r) macro.
@@ -51,14 +55,21 @@ constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
   SUM(0) SUM(1) SUM(2) SUM(3) SUM(4) SUM(5) SUM(6) SUM(7) SUM(8) SUM(9) SUM(10) SUM(11) SUM(12) SUM(13) \
   SUM(14) SUM(15) SUM(16) SUM(17) SUM(18) SUM(19) SUM(20) SUM(21) SUM(22) SUM(23)
 
-// One column of the 4 x 6 tile for one 32-element k step: B column j's 32 values into zmm28,
-// then one dot-product step into each row's accumulator (r0..r3: acc[0..3][j]).
-#define MOE_XPU_DOT_COLUMN(j, r0, r1, r2, r3)          \
-  "vmovdqu16 (%[b" #j "],%[ko]), %%zmm28\n\t"          \
-  "vdpbf16ps %%zmm28, %%zmm24, %%zmm" #r0 "\n\t"       \
-  "vdpbf16ps %%zmm28, %%zmm25, %%zmm" #r1 "\n\t"       \
-  "vdpbf16ps %%zmm28, %%zmm26, %%zmm" #r2 "\n\t"       \
-  "vdpbf16ps %%zmm28, %%zmm27, %%zmm" #r3 "\n\t"
+// One k step of the 4 x 6 tile (32 bf16 elements, or 64 int8 ones), row by row: the 6 B columns'
+// vectors into zmm24-29, then each row's A vector (zmm30) and its 6 dot products into acc[i][0..5]
+// (r0..r5). The tile's row count (int32, 1 .. 4) lies in the sums area at kDotRowCount, written
+// by lane 0 before each tile: rows past it are skipped (a compare from L1 and a branch that goes
+// the same way all tile long), so a group's last, short row tile costs its rows, not 4.
+#define MOE_XPU_DOT_B_STEP(MOV)                                                                    \
+  MOV " (%[b0],%[ko]), %%zmm24\n\t" MOV " (%[b1],%[ko]), %%zmm25\n\t" MOV " (%[b2],%[ko]), %%zmm26\n\t" \
+  MOV " (%[b3],%[ko]), %%zmm27\n\t" MOV " (%[b4],%[ko]), %%zmm28\n\t" MOV " (%[b5],%[ko]), %%zmm29\n\t"
+#define MOE_XPU_DOT_ROW_DOTS(OP, r0, r1, r2, r3, r4, r5)                                          \
+  OP " %%zmm24, %%zmm30, %%zmm" #r0 "\n\t" OP " %%zmm25, %%zmm30, %%zmm" #r1 "\n\t"               \
+  OP " %%zmm26, %%zmm30, %%zmm" #r2 "\n\t" OP " %%zmm27, %%zmm30, %%zmm" #r3 "\n\t"               \
+  OP " %%zmm28, %%zmm30, %%zmm" #r4 "\n\t" OP " %%zmm29, %%zmm30, %%zmm" #r5 "\n\t"
+#define MOE_XPU_DOT_ROW(MOV, i, r0, r1, r2, r3, r4, r5, OP) \
+  MOV " (%[a" #i "],%[ko]), %%zmm30\n\t" MOE_XPU_DOT_ROW_DOTS(OP, r0, r1, r2, r3, r4, r5)
+#define MOE_XPU_DOT_IF_TILE_ROW(i) "cmpl $" #i ", 96(%[sums])\n\t" "jbe 2f\n\t"
 
 // Accumulator r's 16 lanes summed (halves added: 8, 4, 2, 1 lanes) into sums[r].
 #define MOE_XPU_DOT_SUM(r)                                   \
@@ -92,16 +103,11 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
       "prefetcht1 (%[pn])\n\t" "prefetcht1 64(%[pn])\n\t" "prefetcht1 128(%[pn])\n\t"
       "prefetcht1 192(%[pn])\n\t" "prefetcht1 256(%[pn])\n\t" "prefetcht1 320(%[pn])\n\t"
       "add $384, %[pn]\n\t"
-      "vmovdqu16 (%[a0],%[ko]), %%zmm24\n\t"
-      "vmovdqu16 (%[a1],%[ko]), %%zmm25\n\t"
-      "vmovdqu16 (%[a2],%[ko]), %%zmm26\n\t"
-      "vmovdqu16 (%[a3],%[ko]), %%zmm27\n\t"
-      MOE_XPU_DOT_COLUMN(0, 0, 6, 12, 18)
-      MOE_XPU_DOT_COLUMN(1, 1, 7, 13, 19)
-      MOE_XPU_DOT_COLUMN(2, 2, 8, 14, 20)
-      MOE_XPU_DOT_COLUMN(3, 3, 9, 15, 21)
-      MOE_XPU_DOT_COLUMN(4, 4, 10, 16, 22)
-      MOE_XPU_DOT_COLUMN(5, 5, 11, 17, 23)
+      MOE_XPU_DOT_B_STEP("vmovdqu16")
+      MOE_XPU_DOT_ROW("vmovdqu16", 0, 0, 1, 2, 3, 4, 5, "vdpbf16ps") MOE_XPU_DOT_IF_TILE_ROW(1)
+      MOE_XPU_DOT_ROW("vmovdqu16", 1, 6, 7, 8, 9, 10, 11, "vdpbf16ps") MOE_XPU_DOT_IF_TILE_ROW(2)
+      MOE_XPU_DOT_ROW("vmovdqu16", 2, 12, 13, 14, 15, 16, 17, "vdpbf16ps") MOE_XPU_DOT_IF_TILE_ROW(3)
+      MOE_XPU_DOT_ROW("vmovdqu16", 3, 18, 19, 20, 21, 22, 23, "vdpbf16ps") "2:\n\t"
       "add $64, %[ko]\n\t"
       "jnz 1b\n\t"
       MOE_XPU_DOT_TILE_SUMS(MOE_XPU_DOT_SUM)
@@ -111,22 +117,17 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
         [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [sums] "r"(sums)
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",
         "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",
-        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29");
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30");
 }
 
-#undef MOE_XPU_DOT_COLUMN
 
 // W8A8 (AVX512-VNNI): one column of the 4 x 6 tile for one 64-element k step. vpdpbusd multiplies
 // unsigned bytes by signed ones, so A's bytes are flipped to A + 128 (xor 0x80, zmm29) as they are
 // loaded, and 128 x the column's sum of B is subtracted afterwards (see dot_int8_column_sums).
-#define MOE_XPU_DOT8_COLUMN(j, r0, r1, r2, r3)          \
-  "vmovdqu8 (%[b" #j "],%[ko]), %%zmm28\n\t"          \
-  "vpdpbusd %%zmm28, %%zmm24, %%zmm" #r0 "\n\t"       \
-  "vpdpbusd %%zmm28, %%zmm25, %%zmm" #r1 "\n\t"       \
-  "vpdpbusd %%zmm28, %%zmm26, %%zmm" #r2 "\n\t"       \
-  "vpdpbusd %%zmm28, %%zmm27, %%zmm" #r3 "\n\t"
-#define MOE_XPU_DOT8_A(i, r) \
-  "vmovdqu8 (%[a" #i "],%[ko]), %%zmm" #r "\n\t" "vpxord %%zmm29, %%zmm" #r ", %%zmm" #r "\n\t"
+// ... its A bytes flipped (zmm31) as they are loaded.
+#define MOE_XPU_DOT8_ROW(i, r0, r1, r2, r3, r4, r5)                                              \
+  "vmovdqu8 (%[a" #i "],%[ko]), %%zmm30\n\t" "vpxord %%zmm31, %%zmm30, %%zmm30\n\t"               \
+  MOE_XPU_DOT_ROW_DOTS("vpdpbusd", r0, r1, r2, r3, r4, r5)
 #define MOE_XPU_DOT8_SUM(r)                                   \
   "vextracti64x4 $1, %%zmm" #r ", %%ymm30\n\t"                 \
   "vpaddd %%ymm30, %%ymm" #r ", %%ymm" #r "\n\t"                \
@@ -144,16 +145,14 @@ inline void dot_int8_tile_sums(int32_t* sums, const int8_t* const (&a_end)[kDotR
                                const int8_t* const (&b_end)[kDotCols], int64_t k_full) {
   int64_t ko = -k_full;
   asm volatile(
-      "vpbroadcastd %[flip], %%zmm29\n\t"
+      "vpbroadcastd %[flip], %%zmm31\n\t"
       MOE_XPU_DOT_ZERO_TILE
       "1:\n\t"
-      MOE_XPU_DOT8_A(0, 24) MOE_XPU_DOT8_A(1, 25) MOE_XPU_DOT8_A(2, 26) MOE_XPU_DOT8_A(3, 27)
-      MOE_XPU_DOT8_COLUMN(0, 0, 6, 12, 18)
-      MOE_XPU_DOT8_COLUMN(1, 1, 7, 13, 19)
-      MOE_XPU_DOT8_COLUMN(2, 2, 8, 14, 20)
-      MOE_XPU_DOT8_COLUMN(3, 3, 9, 15, 21)
-      MOE_XPU_DOT8_COLUMN(4, 4, 10, 16, 22)
-      MOE_XPU_DOT8_COLUMN(5, 5, 11, 17, 23)
+      MOE_XPU_DOT_B_STEP("vmovdqu8")
+      MOE_XPU_DOT8_ROW(0, 0, 1, 2, 3, 4, 5) MOE_XPU_DOT_IF_TILE_ROW(1)
+      MOE_XPU_DOT8_ROW(1, 6, 7, 8, 9, 10, 11) MOE_XPU_DOT_IF_TILE_ROW(2)
+      MOE_XPU_DOT8_ROW(2, 12, 13, 14, 15, 16, 17) MOE_XPU_DOT_IF_TILE_ROW(3)
+      MOE_XPU_DOT8_ROW(3, 18, 19, 20, 21, 22, 23) "2:\n\t"
       "add $64, %[ko]\n\t"
       "jnz 1b\n\t"
       MOE_XPU_DOT_TILE_SUMS(MOE_XPU_DOT8_SUM)
@@ -163,7 +162,7 @@ inline void dot_int8_tile_sums(int32_t* sums, const int8_t* const (&a_end)[kDotR
         [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [sums] "r"(sums), [flip] "r"(0x80808080u)
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9",
         "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",
-        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30");
+        "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31");
 }
 
 // Column sums of the tile's 6 int8 B columns over k in [0, k_full) (vpdpbusd with bytes of one).
@@ -198,9 +197,12 @@ inline void dot_int8_column_sums(int32_t* sums, const int8_t* const (&b_end)[kDo
       : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm30");
 }
 
-#undef MOE_XPU_DOT8_COLUMN
-#undef MOE_XPU_DOT8_A
+#undef MOE_XPU_DOT8_ROW
 #undef MOE_XPU_DOT8_SUM
+#undef MOE_XPU_DOT_B_STEP
+#undef MOE_XPU_DOT_ROW_DOTS
+#undef MOE_XPU_DOT_ROW
+#undef MOE_XPU_DOT_IF_TILE_ROW
 
 // The K-split GEMM on bf16 A and bf16 B contiguous along K (b_stride_n: B's stride between
 // columns), the same parameters as moe_gemm_k_lanes so that the launcher drives both alike.
@@ -253,7 +255,10 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
             // turns streaming the next gate rows and the next up rows.
             const uint16_t* next = Gated && (m_tile - m_first) % 2 == 1 ? b_col[TN / 2] + (TN / 2) * b_stride_n
                                                                         : b_col[0] + (Gated ? TN / 2 : TN) * b_stride_n;
-            if (w.lane == 0) dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
+            if (w.lane == 0) {
+              reinterpret_cast<int32_t*>(tile_sums)[kDotRowCount] = int32_t(valid);
+              dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
+            }
             sycl::group_barrier(w.sg);
           }
           // Lane l finishes output elements l and l + 16 (row i, column j; gated: the gate sum and
@@ -337,7 +342,10 @@ void moe_gemm_quant_dot(const int8_t* a, int64_t a_row_stride, int64_t a_rows, c
             const int8_t* b_end[TN];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_full;
             for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
-            if (w.lane == 0) dot_int8_tile_sums(tile_sums, a_end, b_end, k_full);
+            if (w.lane == 0) {
+              tile_sums[kDotRowCount] = int32_t(valid);
+              dot_int8_tile_sums(tile_sums, a_end, b_end, k_full);
+            }
             sycl::group_barrier(w.sg);
           }
           #pragma unroll
@@ -1236,7 +1244,10 @@ void moe_xpu_dot_probe(const uint16_t* a, const uint16_t* b, float* out, int64_t
   const uint16_t* b_end[kDotCols];
   for (int i = 0; i < kDotRows; ++i) a_end[i] = a + i * k + k;
   for (int j = 0; j < kDotCols; ++j) b_end[j] = b + j * k + k;
-  if (w.lane == 0) dot_tile_sums(sums, a_end, b_end, k, b);
+  if (w.lane == 0) {
+    reinterpret_cast<int32_t*>(sums)[kDotRowCount] = kDotRows;
+    dot_tile_sums(sums, a_end, b_end, k, b);
+  }
   sycl::group_barrier(w.sg);
   for (int o = w.lane; o < kDotRows * kDotCols; o += kLanes) out[o] = sums[o];
 }
@@ -1271,6 +1282,7 @@ void moe_xpu_int8_dot_probe(const int8_t* a, const int8_t* b, int32_t* out, int6
   for (int j = 0; j < kDotCols; ++j) b_end[j] = b + j * k + k;
   if (w.lane == 0) {
     dot_int8_column_sums(column_sums, b_end, k, b);
+    sums[kDotRowCount] = kDotRows;
     dot_int8_tile_sums(sums, a_end, b_end, k);
   }
   sycl::group_barrier(w.sg);
