@@ -185,7 +185,6 @@ def test_bitwise_the_same_for_every_worker_count(int8_dot):
     assert_close(outs[0], exact_reference(a, b, a_scale, b_scale, go), 60)
 
 
-
 def test_a_row_does_not_depend_on_its_tile(int8_dot):
     """A row tile runs only the rows it holds (1 to 4: a group's last tile may be short): every group
     size's sums are exact, and a row's output is bitwise the same whatever else its group holds."""

@@ -36,7 +36,14 @@ namespace moe_xpu {
 constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
 // Where the tile's row count goes in the sums area (an int32 after the 24 sums; 96 bytes in).
 constexpr int64_t kDotRowCount = 24;
-static_assert(kDotRowCount < kDotSums, "the row count's place");
+#define MOE_XPU_DOT_ROW_COUNT_AT "96"
+static_assert(kDotRowCount < kDotSums && kDotRowCount * 4 == 96, "the row count's place");
+
+// Every dot-product tile's short-tile branch: row i of the tile runs only where the tile's row
+// count (an int32 `at` bytes from the sums pointer, written by lane 0 before the tile) exceeds i;
+// else on to the end of the current step or sub-block (label 2). The branch goes the same way all
+// the tile long, so a group's last, short row tile costs its rows, not the tile's.
+#define MOE_XPU_DOT_IF_ROW(at, i) "cmpl $" #i ", " at "(%[sums])\n\t" "jbe 2f\n\t"
 
 // The tile's 24 accumulators zmm0..zmm23 (acc[i][j] in zmm(6 i + j)) zeroed, and summed into
 // sums[0..23] by a SUM(r) macro.
@@ -57,9 +64,7 @@ static_assert(kDotRowCount < kDotSums, "the row count's place");
 
 // One k step of the 4 x 6 tile (32 bf16 elements, or 64 int8 ones), row by row: the 6 B columns'
 // vectors into zmm24-29, then each row's A vector (zmm30) and its 6 dot products into acc[i][0..5]
-// (r0..r5). The tile's row count (int32, 1 .. 4) lies in the sums area at kDotRowCount, written
-// by lane 0 before each tile: rows past it are skipped (a compare from L1 and a branch that goes
-// the same way all tile long), so a group's last, short row tile costs its rows, not 4.
+// (r0..r5); rows past the tile's row count (kDotRowCount) skipped.
 #define MOE_XPU_DOT_B_STEP(MOV)                                                                    \
   MOV " (%[b0],%[ko]), %%zmm24\n\t" MOV " (%[b1],%[ko]), %%zmm25\n\t" MOV " (%[b2],%[ko]), %%zmm26\n\t" \
   MOV " (%[b3],%[ko]), %%zmm27\n\t" MOV " (%[b4],%[ko]), %%zmm28\n\t" MOV " (%[b5],%[ko]), %%zmm29\n\t"
@@ -69,7 +74,7 @@ static_assert(kDotRowCount < kDotSums, "the row count's place");
   OP " %%zmm28, %%zmm30, %%zmm" #r4 "\n\t" OP " %%zmm29, %%zmm30, %%zmm" #r5 "\n\t"
 #define MOE_XPU_DOT_ROW(MOV, i, r0, r1, r2, r3, r4, r5, OP) \
   MOV " (%[a" #i "],%[ko]), %%zmm30\n\t" MOE_XPU_DOT_ROW_DOTS(OP, r0, r1, r2, r3, r4, r5)
-#define MOE_XPU_DOT_IF_TILE_ROW(i) "cmpl $" #i ", 96(%[sums])\n\t" "jbe 2f\n\t"
+#define MOE_XPU_DOT_IF_TILE_ROW(i) MOE_XPU_DOT_IF_ROW(MOE_XPU_DOT_ROW_COUNT_AT, i)
 
 // Accumulator r's 16 lanes summed (halves added: 8, 4, 2, 1 lanes) into sums[r].
 #define MOE_XPU_DOT_SUM(r)                                   \
@@ -120,11 +125,9 @@ inline void dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kDotRows],
         "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30");
 }
 
-
-// W8A8 (AVX512-VNNI): one column of the 4 x 6 tile for one 64-element k step. vpdpbusd multiplies
-// unsigned bytes by signed ones, so A's bytes are flipped to A + 128 (xor 0x80, zmm29) as they are
+// W8A8 (AVX512-VNNI): one row of the 4 x 6 tile for one 64-element k step. vpdpbusd multiplies
+// unsigned bytes by signed ones, so A's bytes are flipped to A + 128 (xor 0x80, zmm31) as they are
 // loaded, and 128 x the column's sum of B is subtracted afterwards (see dot_int8_column_sums).
-// ... its A bytes flipped (zmm31) as they are loaded.
 #define MOE_XPU_DOT8_ROW(i, r0, r1, r2, r3, r4, r5)                                              \
   "vmovdqu8 (%[a" #i "],%[ko]), %%zmm30\n\t" "vpxord %%zmm31, %%zmm30, %%zmm30\n\t"               \
   MOE_XPU_DOT_ROW_DOTS("vpdpbusd", r0, r1, r2, r3, r4, r5)
@@ -760,13 +763,11 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
 // assembly's pointer, the rest addressed from it), [96, 352) the e8m0 scales as floats (MXFP4).
 constexpr int64_t kNibbleSums = 80;
 constexpr int64_t kNibbleE8m0 = 96;
-// The tile's row count (int32, 1 .. 4), written by lane 0 before each tile: the dot products of row
-// i run where the count exceeds i (else on to the sub-block's end, label 2), a branch that goes the
-// same way all the tile long, so a group's last row tile costs its rows, not 4 (a group of 5 rows
-// was two whole tiles). 1088: its bytes from the sums.
+// The tile's row count (int32, 1 .. 4; see MOE_XPU_DOT_IF_ROW): 1088 bytes from the sums.
 constexpr int64_t kNibbleRowCount = 352;
+#define MOE_XPU_NIB_ROW_COUNT_AT "1088"
 static_assert((kNibbleRowCount - kNibbleSums) * 4 == 1088 && kNibbleRowCount < kNibbleLocal, "the row count's place");
-#define MOE_XPU_DOT_IF_ROW(i) "cmpl $" #i ", 1088(%[sums])\n\t" "jbe 2f\n\t"
+#define MOE_XPU_NIB_IF_ROW(i) MOE_XPU_DOT_IF_ROW(MOE_XPU_NIB_ROW_COUNT_AT, i)
 
 #define MOE_XPU_NIB_AHEAD "4096"
 #define MOE_XPU_NIB_LINE_AHEAD(P, off) "prefetcht0 " MOE_XPU_NIB_AHEAD "+" #off "(%[" P "],%[ko],2)\n\t"
@@ -808,18 +809,18 @@ static_assert((kNibbleRowCount - kNibbleSums) * 4 == 1088 && kNibbleRowCount < k
   MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, c0, d0, t) MOE_XPU_NIB_DOT(i, c1, d1, t) MOE_XPU_NIB_FMA(t, r)
 #define MOE_XPU_NIB_ROW4(i, t, r, c, d) MOE_XPU_NIB_ZERO(t) MOE_XPU_NIB_DOT(i, c, d, t) MOE_XPU_NIB_FMA(t, r)
 #define MOE_XPU_NIB_COLUMN1(SCALE, j, r0, r1, r2, r3)                                                  \
-  MOE_XPU_NIB_DECODE(j) SCALE(j, 0) MOE_XPU_NIB_ROW1(0, 27, r0) MOE_XPU_DOT_IF_ROW(1) MOE_XPU_NIB_ROW1(1, 28, r1) \
-  MOE_XPU_DOT_IF_ROW(2) MOE_XPU_NIB_ROW1(2, 29, r2) MOE_XPU_DOT_IF_ROW(3) MOE_XPU_NIB_ROW1(3, 30, r3) "2:\n\t"
+  MOE_XPU_NIB_DECODE(j) SCALE(j, 0) MOE_XPU_NIB_ROW1(0, 27, r0) MOE_XPU_NIB_IF_ROW(1) MOE_XPU_NIB_ROW1(1, 28, r1) \
+  MOE_XPU_NIB_IF_ROW(2) MOE_XPU_NIB_ROW1(2, 29, r2) MOE_XPU_NIB_IF_ROW(3) MOE_XPU_NIB_ROW1(3, 30, r3) "2:\n\t"
 #define MOE_XPU_NIB_HALF(SCALE, j, q, c0, d0, c1, d1, r0, r1, r2, r3)                                    \
-  SCALE(j, q) MOE_XPU_NIB_ROW2(0, 27, r0, c0, d0, c1, d1) MOE_XPU_DOT_IF_ROW(1)                         \
-  MOE_XPU_NIB_ROW2(1, 28, r1, c0, d0, c1, d1) MOE_XPU_DOT_IF_ROW(2) MOE_XPU_NIB_ROW2(2, 29, r2, c0, d0, c1, d1) \
-  MOE_XPU_DOT_IF_ROW(3) MOE_XPU_NIB_ROW2(3, 30, r3, c0, d0, c1, d1) "2:\n\t"
+  SCALE(j, q) MOE_XPU_NIB_ROW2(0, 27, r0, c0, d0, c1, d1) MOE_XPU_NIB_IF_ROW(1)                         \
+  MOE_XPU_NIB_ROW2(1, 28, r1, c0, d0, c1, d1) MOE_XPU_NIB_IF_ROW(2) MOE_XPU_NIB_ROW2(2, 29, r2, c0, d0, c1, d1) \
+  MOE_XPU_NIB_IF_ROW(3) MOE_XPU_NIB_ROW2(3, 30, r3, c0, d0, c1, d1) "2:\n\t"
 #define MOE_XPU_NIB_COLUMN2(SCALE, j, r0, r1, r2, r3)                         \
   MOE_XPU_NIB_DECODE(j) MOE_XPU_NIB_HALF(SCALE, j, 0, 0, 23, 1, 24, r0, r1, r2, r3) \
   MOE_XPU_NIB_HALF(SCALE, j, 1, 2, 25, 3, 26, r0, r1, r2, r3)
 #define MOE_XPU_NIB_QUARTER(SCALE, j, q, d, r0, r1, r2, r3)                                           \
-  SCALE(j, q) MOE_XPU_NIB_ROW4(0, 27, r0, q, d) MOE_XPU_DOT_IF_ROW(1) MOE_XPU_NIB_ROW4(1, 28, r1, q, d) \
-  MOE_XPU_DOT_IF_ROW(2) MOE_XPU_NIB_ROW4(2, 29, r2, q, d) MOE_XPU_DOT_IF_ROW(3) MOE_XPU_NIB_ROW4(3, 30, r3, q, d) "2:\n\t"
+  SCALE(j, q) MOE_XPU_NIB_ROW4(0, 27, r0, q, d) MOE_XPU_NIB_IF_ROW(1) MOE_XPU_NIB_ROW4(1, 28, r1, q, d) \
+  MOE_XPU_NIB_IF_ROW(2) MOE_XPU_NIB_ROW4(2, 29, r2, q, d) MOE_XPU_NIB_IF_ROW(3) MOE_XPU_NIB_ROW4(3, 30, r3, q, d) "2:\n\t"
 #define MOE_XPU_NIB_COLUMN4(SCALE, j, r0, r1, r2, r3)                                                \
   MOE_XPU_NIB_DECODE(j) MOE_XPU_NIB_QUARTER(SCALE, j, 0, 23, r0, r1, r2, r3)                        \
   MOE_XPU_NIB_QUARTER(SCALE, j, 1, 24, r0, r1, r2, r3) MOE_XPU_NIB_QUARTER(SCALE, j, 2, 25, r0, r1, r2, r3) \
@@ -925,8 +926,8 @@ inline void nibble_tile_sums(float* local, const uint16_t* const (&a_end)[4], co
 // Column j over one block: unscaled straight into the accumulators, or ScaledBlocks through the
 // row temps zmm26-29 and the block's scale (zmm30).
 #define MOE_XPU_FP8_SUB(j, c, r0, r1, r2, r3)                                                        \
-  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_DOT_IF_ROW(1) MOE_XPU_FP8_DOT(1, c, r1)   \
-  MOE_XPU_DOT_IF_ROW(2) MOE_XPU_FP8_DOT(2, c, r2) MOE_XPU_DOT_IF_ROW(3) MOE_XPU_FP8_DOT(3, c, r3) "2:\n\t"
+  MOE_XPU_FP8_DECODE(j, c) MOE_XPU_FP8_DOT(0, c, r0) MOE_XPU_NIB_IF_ROW(1) MOE_XPU_FP8_DOT(1, c, r1)   \
+  MOE_XPU_NIB_IF_ROW(2) MOE_XPU_FP8_DOT(2, c, r2) MOE_XPU_NIB_IF_ROW(3) MOE_XPU_FP8_DOT(3, c, r3) "2:\n\t"
 #define MOE_XPU_FP8_COLUMN(j, s, r0, r1, r2, r3)                                                     \
   MOE_XPU_FP8_SUB(j, 0, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 1, r0, r1, r2, r3)                       \
   MOE_XPU_FP8_SUB(j, 2, r0, r1, r2, r3) MOE_XPU_FP8_SUB(j, 3, r0, r1, r2, r3)
@@ -993,7 +994,10 @@ inline void fp8_tile_sums(float* local, const uint16_t* const (&a_end)[4], const
 #undef MOE_XPU_FP8_SCALE4
 #undef MOE_XPU_FP8_SCALED_COLUMN
 #undef MOE_XPU_FP8_TILE
+#undef MOE_XPU_NIB_IF_ROW
+#undef MOE_XPU_NIB_ROW_COUNT_AT
 #undef MOE_XPU_DOT_IF_ROW
+#undef MOE_XPU_DOT_ROW_COUNT_AT
 #undef MOE_XPU_DOT_SUM
 #undef MOE_XPU_DOT_ZERO_TILE
 #undef MOE_XPU_DOT_TILE_SUMS
