@@ -36,6 +36,7 @@ py::dict description_dict(const moe_xpu::DeviceDescription& d) {
                   py::arg("quant_tiles_4bit") = tiles(Family::quant, DType::int4),
                   py::arg("nibble_lookup") = moe_xpu::nibble_lookup(d), py::arg("bf16_dot") = d.bf16_dot,
                   py::arg("int8_dot") = d.int8_dot, py::arg("nibble_dot") = d.nibble_dot,
+                  py::arg("fma_dot") = d.fma_dot,
                   py::arg("inline_flops") = moe_xpu::inline_flops_limit(d),
                   py::arg("inline_bytes") = moe_xpu::inline_bytes_limit(d));
 }
@@ -198,6 +199,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_dot_state", [] { return moe_xpu::dot_state("bf16"); });
   m.def("int8_dot_state", [] { return moe_xpu::dot_state("int8"); });
   m.def("nibble_dot_state", [] { return moe_xpu::dot_state("nibble"); });
+  m.def("fma_dot_state", [] { return moe_xpu::dot_state("fma"); });
   m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
         py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),
         py::arg("scatter_index"));

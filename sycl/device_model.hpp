@@ -43,6 +43,9 @@ struct DeviceDescription {
   // kernels (moe_gemm_dot.cpp: 4-bit and fp8 weights decoded to bf16 with AVX512-BW, vdpbf16ps)
   // passed their self-check. GPUs: false.
   bool nibble_dot = false;
+  // CPU: the compiler's target's vectors are 8 floats wide (AVX2), the CPU runs AVX2, FMA and F16C,
+  // and the FMA dot-product kernels (moe_gemm_fma.cpp) passed their self-check. GPUs: false.
+  bool fma_dot = false;
 
   bool has_matrix_shape(int m, int n, int k) const {
     for (const MatrixShape& s : matrix_shapes)

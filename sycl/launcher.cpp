@@ -238,6 +238,18 @@ bool cpu_has_avx512_vnni() {
   return cpu_has_avx512_bw() && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((ecx >> 11) & 1u);
 }
 
+// AVX2 (CPUID leaf 7: EBX bit 5), FMA and F16C (leaf 1: ECX bits 12 and 29) and the OS saving the
+// ymm state (XCR0 bits 1 and 2): the FMA dot-product kernels' assembly.
+bool cpu_has_avx2_fma() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 12) & 1u) || !((ecx >> 29) & 1u) || !((ecx >> 27) & 1u))
+    return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((ebx >> 5) & 1u)) return false;
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & 0x6u) == 0x6u;
+}
+
 std::string cpu_target() {
   const char* arch = std::getenv("CL_CONFIG_CPU_TARGET_ARCH");
   return arch != nullptr ? arch : "";
@@ -292,6 +304,18 @@ std::string cpu_dot_refusal(const char* off, bool (*has)(), const char* isa) {
   return "";
 }
 
+// ... and for the AVX2 FMA family, which runs where the kernels' vectors are 8 floats wide
+// (vector_width: the CPU's own, or the OpenCL CPU target core-avx2's); wider vectors keep the
+// vector kernels' AVX-512 tiles, and an SSE or AVX target has no AVX2.
+std::string cpu_fma_refusal(int vector_width) {
+  const char* value = std::getenv("MOE_XPU_FMA_DOT");
+  if (value != nullptr && std::string(value) == "0") return "off (MOE_XPU_FMA_DOT=0)";
+  if (!cpu_has_avx2_fma()) return "none: the CPU has no AVX2, FMA and F16C";
+  if (vector_width > 8) return "not used: 16-float vectors (the vector kernels' AVX-512 tiles)";
+  if (vector_width < 8) return "none: the OpenCL CPU target " + cpu_target() + " has no AVX2";
+  return "";
+}
+
 // Runs one of moe_gemm_dot.cpp's probe kernels (one sub-group; arguments a, b, out, k) and compares
 // its output with `expected` bitwise. "" when it matches, else why not.
 template <typename T, typename R>
@@ -312,7 +336,7 @@ std::string run_dot_probe(sycl::queue& q, sycl::kernel k, const std::vector<T>& 
 }
 
 struct DotStatus {
-  std::string bf16, int8, nibble;  // "" where the family may run, else why not
+  std::string bf16, int8, nibble, fma;  // "" where the family may run, else why not
 };
 
 // The weight-decoding kernels' self-check (moe_xpu_nibble_dot_probe): one 4 x 4 tile over two
@@ -390,6 +414,49 @@ std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
   return run_dot_probe(q, k, a, b, kK, expected);
 }
 
+// The FMA dot-product kernels' self-check (moe_xpu_fma_probe): one 3 x 4 tile over 40 k of small
+// integers (exact in bf16, fp16 and float sums), for each B type and each row count.
+std::string fma_dot_probe(sycl::queue& q) {
+  constexpr int kRows = kFmaRows, kCols = kFmaCols, kK = 40;
+  auto value = [](int row, int k) { return (row * 5 + k * 3) % 13 - 6; };
+  auto bits = [](float f) {
+    std::uint32_t u = 0;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  // bf16: the float's high half; fp16 (integers of magnitude at most 8, or zero): sign, exponent
+  // rebiased from 127 to 15, the top 10 mantissa bits.
+  auto bf16_of = [&](int v) { return std::uint16_t(bits(float(v)) >> 16); };
+  auto fp16_of = [&](int v) {
+    const std::uint32_t u = bits(float(v));
+    if (v == 0) return std::uint16_t(0);
+    return std::uint16_t(((u >> 16) & 0x8000u) | ((((u >> 23) & 0xffu) - 127 + 15) << 10) | ((u >> 13) & 0x3ffu));
+  };
+  std::vector<float> a(kRows * kK), b(2 * kCols * kK);
+  std::vector<std::uint16_t> b16(2 * kCols * kK);
+  std::vector<float> expected(3 * kRows * kRows * kCols, 0.0f);
+  for (int k = 0; k < kK; ++k) {
+    for (int i = 0; i < kRows; ++i) a[i * kK + k] = float(value(i, k));
+    for (int j = 0; j < kCols; ++j) {
+      b[j * kK + k] = float(value(kRows + j, k));
+      b16[j * kK + k] = bf16_of(value(kRows + j, k));
+      b16[(kCols + j) * kK + k] = fp16_of(value(kRows + j, k));
+    }
+  }
+  std::memcpy(b.data() + kCols * kK, b16.data(), b16.size() * 2);
+  for (int t = 0; t < 3; ++t)
+    for (int r = 1; r <= kRows; ++r)
+      for (int i = 0; i < r; ++i)
+        for (int j = 0; j < kCols; ++j) {
+          float sum = 0.0f;
+          for (int k = 0; k < kK; ++k) sum += float(value(i, k) * value(kRows + j, k));
+          expected[36 * t + 12 * (r - 1) + i * kCols + j] = sum;
+        }
+  std::string log;
+  auto exe = build_source(q, std::string("#define MOE_XPU_FMA_PROBE\n") + kMoeGemmFmaSource, {"moe_xpu_fma_probe"}, &log);
+  return run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_probe"), a, b, kK, expected);
+}
+
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:
 // their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
 // lane 0's copy, honouring its register clobbers) is not something the compiler checks. bf16: one
@@ -402,6 +469,13 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
   if (status.bf16.empty()) names.insert(names.end(), {"moe_xpu_dot_probe", "moe_xpu_n_dot_probe"});
   if (status.int8.empty()) names.push_back("moe_xpu_int8_dot_probe");
   if (status.nibble.empty()) names.push_back("moe_xpu_nibble_dot_probe");
+  if (status.fma.empty()) {
+    try {
+      status.fma = fma_dot_probe(q);
+    } catch (const sycl::exception& e) {
+      status.fma = std::string("none: the kernels' self-check failed: ") + e.what();
+    }
+  }
   if (names.empty()) return status;
   try {
     std::string log;
@@ -462,11 +536,15 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
 // Where the dot-product kernels (moe_gemm_dot.cpp) may run on q's device: bf16 (AVX512-BF16,
 // MOE_XPU_BF16_DOT=0 turns it off) and W8A8 int8 (AVX512-VNNI, MOE_XPU_INT8_DOT=0). Decided
 // once per process.
+int cpu_target_vector_width();
+int cpu_vector_width(const sycl::device& dev);
+
 const DotStatus& dot_status(const sycl::queue& q) {
   static const DotStatus* status = [&] {
     return new DotStatus(dot_probes(q, DotStatus{cpu_dot_refusal("MOE_XPU_BF16_DOT", cpu_has_avx512_bf16, "AVX512-BF16"),
                                                  cpu_dot_refusal("MOE_XPU_INT8_DOT", cpu_has_avx512_vnni, "AVX512-VNNI"),
-                                                 cpu_dot_refusal("MOE_XPU_NIBBLE_DOT", cpu_has_avx512_bf16, "AVX512-BF16")}));
+                                                 cpu_dot_refusal("MOE_XPU_NIBBLE_DOT", cpu_has_avx512_bf16, "AVX512-BF16"),
+                                                 cpu_fma_refusal(cpu_vector_width(q.get_device()))}));
   }();
   return *status;
 }
@@ -508,6 +586,14 @@ int cpu_target_vector_width() {
   return 16;  // skx and every later Intel target named by the CPU runtime has AVX-512
 }
 
+// Floats per vector register of the code the OpenCL CPU compiler emits for dev: the CPU's own,
+// capped by the compiler's target.
+int cpu_vector_width(const sycl::device& dev) {
+  const int own = int(dev.get_info<sycl::info::device::native_vector_width_float>());
+  const int target = cpu_target_vector_width();
+  return target > 0 && target < own ? target : own;
+}
+
 // The description of the device behind a queue, read once per device. The matrix engine: AMX on
 // the CPU device when usable (the CPU device reports no combinations); on a GPU the XMX tiles its
 // reported combinations allow (compiled and checked by gpu_check, not yet run on hardware).
@@ -520,10 +606,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   if (found != cache->end()) return found->second;
   DeviceDescription d;
   d.is_cpu = dev.is_cpu();
-  if (d.is_cpu) {
-    d.vector_width = int(dev.get_info<sycl::info::device::native_vector_width_float>());
-    if (const int target = cpu_target_vector_width(); target > 0 && target < d.vector_width) d.vector_width = target;
-  }
+  if (d.is_cpu) d.vector_width = cpu_vector_width(dev);
   d.name = d.is_cpu ? "cpu-" + cpu_vector_class(d) : dev.get_info<sycl::info::device::name>();
   if (const char* tiles = std::getenv("MOE_XPU_CPU_TILES"); d.is_cpu && tiles != nullptr) d.name += std::string(":") + tiles;
   d.sub_group_sizes = dev.get_info<sycl::info::device::sub_group_sizes>();
@@ -532,6 +615,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.bf16_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).bf16.empty();
   d.int8_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).int8.empty();
   d.nibble_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).nibble.empty();
+  d.fma_dot = d.is_cpu && d.vector_width == 8 && dot_status(q).fma.empty();
   if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;
@@ -628,6 +712,7 @@ std::string queue_key(const sycl::queue& q) {
 // The environment variable that names a development copy of the kernel source for B of type t
 // (see kernel_source_text), and the one for moe_gemm_dot.cpp (every bundle that appends it).
 constexpr const char* kDotSourceVariable = "MOE_XPU_DOT_KERNEL_SOURCE";
+constexpr const char* kFmaSourceVariable = "MOE_XPU_FMA_KERNEL_SOURCE";
 const char* source_variable(DType t) {
   return is_quantized(t) ? "MOE_XPU_QUANT_KERNEL_SOURCE" : "MOE_XPU_KERNEL_SOURCE";
 }
@@ -641,6 +726,7 @@ std::string bundle_key(const sycl::queue& q, const DeviceDescription& d, DType t
   // the kernel they resolved first).
   if (const char* path = std::getenv(source_variable(t))) key += std::string("/") + path;
   if (const char* path = std::getenv(kDotSourceVariable)) key += std::string("/dot:") + path;
+  if (const char* path = std::getenv(kFmaSourceVariable)) key += std::string("/fma:") + path;
   return key;
 }
 
@@ -664,6 +750,7 @@ syclex::include_files kernel_headers() {
   headers.add("scheduler.hpp", kKernelSchedulerHeader);
   headers.add("epilogue.hpp", kKernelEpilogueHeader);
   headers.add("matrix_engine.hpp", kKernelMatrixEngineHeader);
+  headers.add("assembly_tile.hpp", kKernelAssemblyTileHeader);
   return headers;
 }
 
@@ -700,6 +787,7 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
   if (t == DType::bfloat16 && d.bf16_dot) source += kernel_source_text(kDotSourceVariable, kMoeGemmDotSource) + "\n";
+  if (!is_quantized(t) && d.fma_dot) source += kernel_source_text(kFmaSourceVariable, kMoeGemmFmaSource) + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);
@@ -1165,7 +1253,10 @@ std::string dot_state(const std::string& family) {
   sycl::queue* q = cpu_queue_or_null();
   if (q == nullptr) return "none: no SYCL CPU device";
   const DotStatus& all = dot_status(*q);
-  const std::string& status = family == "int8" ? all.int8 : family == "nibble" ? all.nibble : all.bf16;
+  const std::string& status = family == "int8"     ? all.int8
+                              : family == "nibble" ? all.nibble
+                              : family == "fma"    ? all.fma
+                                                   : all.bf16;
   return status.empty() ? "on" : status;
 }
 
@@ -1249,9 +1340,10 @@ std::vector<std::pair<std::string, std::string>> kernel_files() {
   return {{"common.hpp", kKernelCommonHeader},     {"sizes.hpp", kKernelSizesHeader},
           {"scheduler.hpp", kKernelSchedulerHeader},
           {"epilogue.hpp", kKernelEpilogueHeader}, {"matrix_engine.hpp", kKernelMatrixEngineHeader},
+          {"assembly_tile.hpp", kKernelAssemblyTileHeader},
           {"moe_gemm.cpp", kMoeGemmSource},
           {"moe_gemm_wgrad.cpp", kMoeGemmWgradSource}, {"moe_gemm_quant.cpp", kMoeGemmQuantSource},
-          {"moe_gemm_dot.cpp", kMoeGemmDotSource}};
+          {"moe_gemm_dot.cpp", kMoeGemmDotSource}, {"moe_gemm_fma.cpp", kMoeGemmFmaSource}};
 }
 
 }  // namespace moe_xpu

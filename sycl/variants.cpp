@@ -254,6 +254,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::dot:
     case Family::dot_gated:
     case Family::quant_dot: return {TileShape{kDotRows, kDotCols}};
+    case Family::fma_dot:
+    case Family::fma_dot_gated: return {TileShape{1, kFmaRowCols}, TileShape{kFmaRows, kFmaCols}};
     case Family::nibble_dot:
     case Family::nibble_dot_gated:
     case Family::fp8_dot:
@@ -330,6 +332,8 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::matrix_wgrad: return 0;
     case Family::dot:
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
+    case Family::fma_dot:
+    case Family::fma_dot_gated: return kFmaSums * 4;
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
     case Family::nibble_dot:
     case Family::nibble_dot_gated:
@@ -391,6 +395,11 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out);
     return args.str();
   }
+  if (f == Family::fma_dot || f == Family::fma_dot_gated) {  // A is float32
+    args << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ", "
+         << (f == Family::fma_dot_gated ? "true" : "false");
+    return args.str();
+  }
   if (f == Family::dot || f == Family::dot_gated) {
     args << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ", " << (f == Family::dot_gated ? "true" : "false");
     return args.str();
@@ -427,6 +436,8 @@ std::string kernel_base(Family f) {
     case Family::matrix_wgrad: return "matrix_wgrad";
     case Family::dot:
     case Family::dot_gated: return "k_dot";
+    case Family::fma_dot:
+    case Family::fma_dot_gated: return "k_fma";
     case Family::quant_dot: return "quant_dot";
     case Family::nibble_dot:
     case Family::nibble_dot_gated: return "nibble_dot";
@@ -575,6 +586,9 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
       variants.push_back(Variant{f, t, t, out, s});
       if (has_float_a_variant(f, t)) variants.push_back(Variant{f, DType::float32, t, out, s});
     }
+  if (d.fma_dot)  // float A only (16-bit A is widened before the launch)
+    for (Family f : {Family::fma_dot, Family::fma_dot_gated})
+      for (TileShape s : family_tiles(f, d, t)) variants.push_back(Variant{f, DType::float32, t, out, s});
   return variants;
 }
 
@@ -780,7 +794,14 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const bool use_dot = !use_matrix && args.engine == 0 && d.bf16_dot && args.dtype == DType::bfloat16 &&
                        args.a_dtype == DType::bfloat16 && rows_per_group > 2.0 && args.tile_m == 0 &&
                        args.tile_n == 0 && (k_lanes || (!gated && args.N % kNDotCols == 0));
-  const Family family = use_dot && !k_lanes ? Family::dot_kn
+  // B contiguous along K on an AVX2 CPU: the FMA dot-product kernels, on float A (16-bit A gets
+  // there widened: the plan for it widens A, and the float A plan lands here). Tile overrides
+  // address the vector kernels.
+  const bool fma_candidate = !use_matrix && !use_dot && args.engine == 0 && d.fma_dot && k_lanes &&
+                             args.tile_m == 0 && args.tile_n == 0;
+  const bool use_fma = fma_candidate && args.a_dtype == DType::float32;
+  const Family family = use_fma             ? (gated ? Family::fma_dot_gated : Family::fma_dot)
+                        : use_dot && !k_lanes ? Family::dot_kn
                         : use_dot           ? (gated ? Family::dot_gated : Family::dot)
                         : !use_matrix ? family_of(k_lanes, gated)
                         : !k_lanes ? Family::matrix_kn
@@ -797,7 +818,7 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
         "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;
-  plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && shape.tile_m > 1;
+  plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && (shape.tile_m > 1 || fma_candidate);
   plan.tile_m = shape.tile_m;
   if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : engine_tile(d).m * (gated ? 1 : 2);
   else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);

@@ -25,10 +25,13 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // dot / dot_gated: bf16 K-split with AVX512-BF16 dot products; dot_kn: bf16 N-split (B
 // contiguous along N) with the same; dot_wgrad: the bf16 weight gradient with the same; quant_dot:
 // W8A8 with AVX512-VNNI; nibble_dot / nibble_dot_gated: 4-bit B (int4, MXFP4) with bf16 A on
-// AVX512-BF16 dot products; fp8_dot / fp8_dot_gated: fp8 e4m3 B with the same (CPU only, all in moe_gemm_dot.cpp).
+// AVX512-BF16 dot products; fp8_dot / fp8_dot_gated: fp8 e4m3 B with the same (CPU only, all in moe_gemm_dot.cpp);
+// fma_dot / fma_dot_gated: float32, bf16 or fp16 B contiguous along K with float A, on AVX2 FMA
+// assembly (CPU only, moe_gemm_fma.cpp).
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
                     quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated, dot_kn,
-                    dot_wgrad, quant_dot, nibble_dot, nibble_dot_gated, fp8_dot, fp8_dot_gated };
+                    dot_wgrad, quant_dot, nibble_dot, nibble_dot_gated, fp8_dot, fp8_dot_gated, fma_dot,
+                    fma_dot_gated };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).

@@ -46,16 +46,21 @@ def _source_without_requirement(C, kernel: str, file: str = "moe_gemm.cpp") -> s
 
 
 @pytest.mark.parametrize("kernel,layout", [("moe_gemm_k_lanes", "linear"), ("moe_gemm_n_lanes", "kn"),
-                                           ("moe_gemm_quant", "int8")])
+                                           ("moe_gemm_quant", "int8"), ("moe_gemm_k_fma", "fma")])
 def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_path, monkeypatch):
     """Removing the requirement from one kernel makes every launch fail with a RuntimeError
     naming the device, the property and the fallback, on every CPU target (on AVX-512 targets
-    the compiler happens to pick 16 anyway: the check does not rely on that). The quantized
-    kernels' source is swapped through its own variable."""
+    the compiler happens to pick 16 anyway: the check does not rely on that). The quantized and
+    the AVX2 FMA kernels' sources are swapped through their own variables."""
+    if layout == "fma" and not C.device_description(0)["fma_dot"]:
+        pytest.skip(f"no FMA dot-product kernels here: {C.fma_dot_state()}")
     quant = layout == "int8"
+    file, variable = {"int8": ("moe_gemm_quant.cpp", "MOE_XPU_QUANT_KERNEL_SOURCE"),
+                      "fma": ("moe_gemm_fma.cpp", "MOE_XPU_FMA_KERNEL_SOURCE")}.get(
+                          layout, ("moe_gemm.cpp", "MOE_XPU_KERNEL_SOURCE"))
     path = tmp_path / "unpinned.cpp"
-    path.write_text(_source_without_requirement(C, kernel, "moe_gemm_quant.cpp" if quant else "moe_gemm.cpp"))
-    monkeypatch.setenv("MOE_XPU_QUANT_KERNEL_SOURCE" if quant else "MOE_XPU_KERNEL_SOURCE", str(path))
+    path.write_text(_source_without_requirement(C, kernel, file))
+    monkeypatch.setenv(variable, str(path))
     monkeypatch.setattr(ops, "_PREPARED", type(ops._PREPARED)())  # prepared calls keep their kernel
     a = torch.randn(8, 32)
     b = torch.randn(2, 32, 48) if layout == "kn" else torch.randn(2, 48, 32).transpose(1, 2)
@@ -69,7 +74,8 @@ def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("MOE_XPU_KERNEL_SOURCE", "MOE_XPU_QUANT_KERNEL_SOURCE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MOE_XPU_KERNEL_SOURCE", "MOE_XPU_QUANT_KERNEL_SOURCE", "MOE_XPU_FMA_KERNEL_SOURCE")}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, env=env, timeout=600)
 

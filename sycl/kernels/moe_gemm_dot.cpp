@@ -27,8 +27,7 @@
 //
 // Only compiled where the device description says the CPU runs AVX512-BF16 code
 // (DeviceDescription::bf16_dot) or AVX512-VNNI code (int8_dot); never for a GPU.
-#include "epilogue.hpp"
-#include "scheduler.hpp"
+#include "assembly_tile.hpp"
 
 namespace moe_xpu {
 
@@ -220,79 +219,15 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
                     int64_t K, int64_t N, int activation, int64_t up_offset, const void* scatter_index,
                     int scatter_is64, const float* row_weight) {
   static_assert(TM == kDotRows && TN == kDotCols, "the assembly is written for one register tile");
-  constexpr int out_cols = Gated ? TN / 2 : TN;
-  constexpr int outputs = TM * out_cols;  // a tile's output elements, spread over the lanes
-  // One worker per sub-group, as in the other families, and uniform control flow: the runtime
-  // vectorizes the kernel across the sub-group's work-items and runs each active work-item's copy
-  // of the assembly in turn, so only lane 0 runs it, and the lanes share the tile's epilogue.
-  // (With every work-item a worker, the 16 work-items' tiles ran interleaved, each with its own B
-  // slice and A rows; with lane 0 alone doing all the work, the rest of the kernel ran as 16-lane
-  // code with one lane active: both about as slow as the vector kernels.)
-  const Worker w = this_worker();
-  const int64_t tiles_n = (N + out_cols - 1) / out_cols;
-  const int64_t k_full = K - K % kDotStep;
-  // The assembly's sums go to work-group local memory (one sub-group per work-group), where every
-  // lane reads them: a private array whose address the assembly takes is laid out across
-  // work-items by the runtime's vectorizer (element-major), which the assembly cannot know.
   float* tile_sums = local_floats<kDotSums>();
-  for_each_owned_unit(
-      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, tiles_n,
-      unit_cost<uint16_t, TM, TN>(),
-      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
-        const int64_t n0 = n_tile * out_cols;
-        const uint16_t* b_col[TN];
-        for (int j = 0; j < TN; ++j) b_col[j] = b + g * b_stride_e + tile_b_column<TN, Gated>(n0, j, N, up_offset) * b_stride_n;
-        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
-          const int64_t m0 = row_begin + m_tile * TM;
-          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
-          auto a_row = [&](int i) {
-            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
-          };
-          if (g < num_groups && k_full > 0) {
-            const uint16_t* a_end[TM];
-            const uint16_t* b_end[TN];
-            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_full;
-            for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
-            // The next column tile's B rows (the worker's next unit), as one stream at 6 lines a
-            // k step; gated tiles' gate rows and up rows lie apart, so the unit's row tiles take
-            // turns streaming the next gate rows and the next up rows.
-            const uint16_t* next = Gated && (m_tile - m_first) % 2 == 1 ? b_col[TN / 2] + (TN / 2) * b_stride_n
-                                                                        : b_col[0] + (Gated ? TN / 2 : TN) * b_stride_n;
-            if (w.lane == 0) {
-              reinterpret_cast<int32_t*>(tile_sums)[kDotRowCount] = int32_t(valid);
-              dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
-            }
-            sycl::group_barrier(w.sg);
-          }
-          // Lane l finishes output elements l and l + 16 (row i, column j; gated: the gate sum and
-          // its up sum): the K remainder, the bias, the activation, the row weight, the store.
-          #pragma unroll
-          for (int o0 = 0; o0 < outputs; o0 += kLanes) {
-            const int o = o0 + w.lane;
-            const int i = o / out_cols, j = o % out_cols;
-            if (o < outputs && i < valid && n0 + j < N) {
-              float v[Gated ? 2 : 1];
-              #pragma unroll
-              for (int h = 0; h < (Gated ? 2 : 1); ++h) {
-                const int col = j + h * out_cols;
-                float s = 0.0f;
-                if (g < num_groups) {
-                  const int64_t bn = tile_b_column<TN, Gated>(n0, col, N, up_offset);
-                  if (k_full > 0) s = tile_sums[i * TN + col];
-                  const uint16_t* ar = a_row(i);
-                  const uint16_t* bc = b + g * b_stride_e + bn * b_stride_n;
-                  for (int64_t k = k_full; k < K; ++k) s = sycl::fma(to_float(ar[k]), to_float(bc[k]), s);
-                  if (bias != nullptr) s += to_float(bias[g * bias_stride_e + bn]);
-                }
-                v[h] = s;
-              }
-              const float r = Gated ? activate(activation, v[0]) * v[Gated ? 1 : 0] : v[0];
-              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
-              out[t.row * out_row_stride + n0 + j] = FromFloat<TOut>::convert(r * t.weight);
-            }
-          }
-          sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
-        }
+  assembly_k_split<TM, TN, Gated, kDotStep>(
+      a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_n, bias, bias_stride_e, out,
+      out_row_stride, out_rows, group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
+      scatter_index, scatter_is64, row_weight, tile_sums,
+      [&](int64_t valid, const uint16_t* const (&a_end)[TM], const uint16_t* const (&b_end)[TN], int64_t k_full,
+          const uint16_t* next) {
+        reinterpret_cast<int32_t*>(tile_sums)[kDotRowCount] = int32_t(valid);
+        dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
       });
 }
 

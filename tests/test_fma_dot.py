@@ -1,0 +1,205 @@
+"""The AVX2 FMA dot-product kernels (assembly, sycl/kernels/moe_gemm_fma.cpp) against the float64
+reference, where they run (an AVX2 CPU, or an AVX-512 one under the OpenCL CPU target core-avx2:
+tests/device_matrix.py): the plan picks them where it should, and their sums are right on shapes
+that break the assembly's 8-element k step and its tiles, 3 x 4 and the decode tile 1 x 8 (K below,
+at and past multiples of 8, N not a multiple of 4 or 8, short last row tiles, one row a group), in float32, bf16 and fp16 weights, through index
+tables, with bias, gated, and bitwise the same for every worker count."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import moe_xpu
+from moe_xpu import fused, ops
+from reference import assert_matches_reference
+from test_fused_moe import check as check_fused
+from test_fused_moe import make_block
+from test_moe_gemm import ROUTINGS, offsets, route
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def fma(C):
+    """The launcher (conftest.py), on a CPU whose kernels include the FMA dot-product family."""
+    if not C.device_description(0)["fma_dot"]:
+        pytest.skip(f"no FMA dot-product kernels here: {C.fma_dot_state()}")
+    return C
+
+
+def linear_weights(E, K, N, dtype=torch.float32):
+    """nn.Linear-layout experts [E, N, K] seen as [E, K, N]: contiguous along K."""
+    return torch.randn(E, N, K, dtype=dtype).transpose(1, 2)
+
+
+def plan(C, a, b, offs, gather_index=None, out_dtype=None, **overrides):
+    """The plan of the launch moe_gemm makes (16-bit A widened where the plan asks for it), its
+    arguments, its output and the A they point at (kept alive by the caller)."""
+    rows = a.shape[0] if gather_index is None else gather_index.shape[0]
+    out = torch.empty(rows, b.shape[2], dtype=out_dtype or b.dtype)
+    a_, b_, offs_, gi_, _ = ops.kernel_ready(a, b, offs, gather_index, None)
+
+    def args_for(x):
+        args = ops.gemm_args(x, b_, offs_, gi_, None, out)
+        for name, value in overrides.items():
+            setattr(args, name, value)
+        return args
+
+    args = args_for(a_)
+    p = C.plan_gemm(args)
+    if p.widen_a:
+        a_ = a_.float()
+        args = args_for(a_)
+        p = C.plan_gemm(args)
+    return p, args, out, a_
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plan_picks_the_fma_kernels_for_groups_of_several_rows(fma, dtype):
+    E, K, N = 8, 256, 90
+    b = linear_weights(E, K, N, dtype)
+    many = torch.randn(8 * E, K, dtype=dtype)
+    assert ", 3, 4, false>" in plan(fma, many, b, offsets([8] * E))[0].kernel_name
+    # Decode (a row or two a group): the one-row tile.
+    one = torch.randn(E, K, dtype=dtype)
+    assert "moe_gemm_k_fma<" in (name := plan(fma, one, b, offsets([1] * E))[0].kernel_name)
+    assert ", 1, 8, false>" in name
+    # [E, K, N] weights, the vector kernels forced or a tile override: not this family.
+    assert "k_fma" not in plan(fma, many, b.contiguous(), offsets([8] * E))[0].kernel_name
+    assert "k_fma" not in plan(fma, many, b, offsets([8] * E), engine=1)[0].kernel_name
+    assert "k_fma" not in plan(fma, many, b, offsets([8] * E), tile_m=3, tile_n=2)[0].kernel_name
+
+
+@pytest.mark.parametrize(
+    "dtype,K,N,routing",
+    list(itertools.product(DTYPES, [8, 9, 31, 64, 200], [1, 4, 7, 9], ROUTINGS)),
+)
+@pytest.mark.parametrize("T", [41, 7])
+def test_matches_reference(fma, dtype, K, N, routing, T):
+    E = 5
+    a = torch.randn(T, K, dtype=dtype)
+    b = linear_weights(E, K, N, dtype)
+    counts = route(routing, E, T)
+    offs = offsets(counts)
+    bias = torch.randn(E, N, dtype=dtype)
+    assert "k_fma" in plan(fma, a, b, offs)[0].kernel_name
+    out = moe_xpu.moe_gemm(a, b, offs, bias=bias)
+    assert_matches_reference(out, a, b, offs, bias=bias)
+    assert not out[int(offs[-1]) :].any(), "rows past group_offsets[-1] must be zero"
+
+
+@pytest.mark.parametrize("K", [3, 7])
+def test_k_below_one_step_is_the_remainder_alone(fma, K):
+    a = torch.randn(12, K)
+    b = linear_weights(2, K, 9)
+    offs = offsets([5, 7])
+    assert "k_fma" in plan(fma, a, b, offs)[0].kernel_name
+    assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+
+
+@pytest.mark.parametrize("dtype,index_dtype", list(itertools.product(DTYPES, [torch.int32, torch.int64])))
+def test_index_table_float_output_and_strided_rows(fma, dtype, index_dtype):
+    E, T, K, N = 4, 30, 130, 21
+    wide = torch.randn(T, K + 9, dtype=dtype)
+    a = wide[:, 3 : 3 + K]  # rows K + 9 elements apart
+    b = linear_weights(E, K, N, dtype)
+    counts = [11, 0, 27, 22]
+    offs = offsets(counts, index_dtype)
+    gather = torch.randint(0, T, (sum(counts),), dtype=index_dtype)
+    out_dtype = torch.float32 if dtype != torch.float32 else None
+    assert "k_fma" in plan(fma, a, b, offs, gather, out_dtype=out_dtype)[0].kernel_name
+    out = moe_xpu.moe_gemm(a, b, offs, gather_index=gather, out_dtype=out_dtype)
+    assert_matches_reference(out, a, b, offs, gather_index=gather, out_dtype=out_dtype)
+
+
+def test_strided_weights_one_expert_takes_everything_and_zero_tokens(fma):
+    K, N = 4096 + 5, 30
+    a = torch.randn(300, K)
+    b = torch.randn(3, N, K + 3)[:, :, :K].transpose(1, 2)  # weight rows K + 3 apart
+    offs = offsets([0, 300, 0])
+    assert "k_fma" in plan(fma, a, b, offs)[0].kernel_name
+    assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+    empty = moe_xpu.moe_gemm(a[:0], b, offsets([0, 0, 0]))
+    assert empty.shape == (0, N)
+
+
+def test_many_experts(fma):
+    E, K, N = 128, 72, 13
+    counts = torch.randint(0, 7, (E,)).tolist()
+    a = torch.randn(sum(counts), K)
+    b = linear_weights(E, K, N)
+    offs = offsets(counts)
+    assert "k_fma" in plan(fma, a, b, offs)[0].kernel_name
+    assert_matches_reference(moe_xpu.moe_gemm(a, b, offs), a, b, offs)
+
+
+def test_non_finite_inputs_propagate(fma):
+    E, K, N = 2, 64, 12
+    a = torch.randn(12, K)
+    b = linear_weights(E, K, N)
+    a[2, 40] = float("nan")
+    a[9, 5] = float("inf")
+    out = moe_xpu.moe_gemm(a, b, offsets([6, 6]))
+    assert out[2].isnan().all()
+    assert not out[9].isfinite().any()
+    rest = [r for r in range(12) if r not in (2, 9)]
+    assert out[rest].isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bitwise_the_same_for_every_worker_count(fma, dtype):
+    E, K, N = 6, 200, 50
+    a = torch.randn(60, K, dtype=dtype)
+    b = linear_weights(E, K, N, dtype)
+    offs = offsets([10, 3, 0, 25, 7, 15])
+    outs = []
+    for workers in (0, 1, 3, 16):
+        p, args, out, _a = plan(fma, a, b, offs, num_workers=workers)
+        assert "k_fma" in p.kernel_name
+        fma.moe_gemm(args)
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert_matches_reference(outs[0], a, b, offs)
+
+
+def test_a_row_does_not_depend_on_its_tile(fma):
+    """A row tile runs only the rows it holds (1 to 3: a group's last tile may be short), each row's
+    sums its own: a row's output is bitwise the same whatever else its group holds, and each group
+    size's outputs match the reference."""
+    K, N = 96 + 5, 13
+    b = linear_weights(2, K, N)
+    a = torch.randn(9, K)
+    first = None
+    for rows in range(3, 10):
+        offs = offsets([rows, 3])
+        x = torch.cat([a[:rows], a[:3]])
+        assert "k_fma" in plan(fma, x, b, offs)[0].kernel_name
+        out = moe_xpu.moe_gemm(x, b, offs)
+        assert_matches_reference(out, x, b, offs)
+        if first is None:
+            first = out[:3], out[3:]
+        assert torch.equal(out[:3], first[0]), rows  # group 0's first 3 rows, in tiles of 1 to 3 rows
+        assert torch.equal(out[rows:], first[1]), rows  # group 1's 3 rows: one tile
+
+
+@pytest.mark.parametrize("dtype,activation,bias",
+                         list(itertools.product(DTYPES, ["silu", "gelu_tanh"], [False, True])))
+def test_fused_moe_on_the_fma_kernels(fma, dtype, activation, bias):
+    # 40 tokens top-2 of 8 experts: 10 rows an expert, H = 101 (12 k steps and a remainder),
+    # I = 38. Both GEMMs run on the FMA kernels (the first gated), h in float32 between them.
+    x, gu, dn, w, ids, biases = make_block(40, 101, 38, 8, 2, dtype, bias=bias)
+    fused._PREPARED.clear()
+    out = moe_xpu.fused_moe(x, gu, dn, w, ids, activation=activation, gate_up_bias=biases[0],
+                            down_bias=biases[1])
+    prepared = list(fused._PREPARED.values())
+    assert len(prepared) == 1 and prepared[0].h_dtype == torch.float32
+    for launch in (prepared[0].gate_up, prepared[0].down):
+        assert "moe_gemm_k_fma<" in launch.launcher.plan.kernel_name
+    check_fused(out, x, gu, dn, w, ids, activation, biases)
+    again = moe_xpu.fused_moe(x, gu, dn, w, ids, activation=activation, gate_up_bias=biases[0],
+                              down_bias=biases[1])
+    assert torch.equal(out, again)
