@@ -461,8 +461,9 @@ std::string fma_dot_probe(sycl::queue& q) {
 // their k loop is assembly, so what the runtime does with it (carrying it through SPIR-V, running
 // lane 0's copy, honouring its register clobbers) is not something the compiler checks. bf16: one
 // tile of small integers (exact in bf16 and in float sums) over 96 k, of each B layout; int8: one
-// tile over 192 k holding -128 and 127, whose int32 sums (with the +128 correction) must be exact.
-// Families that `status` already rules out are not probed.
+// tile over 192 k holding -128 and 127, whose int32 sums (with the +128 correction) must be exact;
+// the weight-decoding and FMA families: see nibble_dot_probe and fma_dot_probe. Families that
+// `status` already rules out are not probed.
 DotStatus dot_probes(sycl::queue q, DotStatus status) {
   constexpr int kRows = kDotRows, kCols = kDotCols;
   std::vector<std::string> names;
@@ -533,12 +534,13 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
   return status;
 }
 
-// Where the dot-product kernels (moe_gemm_dot.cpp) may run on q's device: bf16 (AVX512-BF16,
-// MOE_XPU_BF16_DOT=0 turns it off) and W8A8 int8 (AVX512-VNNI, MOE_XPU_INT8_DOT=0). Decided
-// once per process.
 int cpu_target_vector_width();
 int cpu_vector_width(const sycl::device& dev);
 
+// Where the dot-product kernels may run on q's device: moe_gemm_dot.cpp's bf16 (AVX512-BF16,
+// MOE_XPU_BF16_DOT=0 turns it off), W8A8 int8 (AVX512-VNNI, MOE_XPU_INT8_DOT=0) and weight-decoding
+// ones (MOE_XPU_NIBBLE_DOT=0), and moe_gemm_fma.cpp's AVX2 FMA ones (MOE_XPU_FMA_DOT=0). Decided
+// once per process.
 const DotStatus& dot_status(const sycl::queue& q) {
   static const DotStatus* status = [&] {
     return new DotStatus(dot_probes(q, DotStatus{cpu_dot_refusal("MOE_XPU_BF16_DOT", cpu_has_avx512_bf16, "AVX512-BF16"),
