@@ -312,7 +312,7 @@ std::string cpu_fma_refusal(int vector_width) {
   if (value != nullptr && std::string(value) == "0") return "off (MOE_XPU_FMA_DOT=0)";
   if (!cpu_has_avx2_fma()) return "none: the CPU has no AVX2, FMA and F16C";
   if (vector_width > 8) return "not used: 16-float vectors (the vector kernels' AVX-512 tiles)";
-  if (vector_width < 8) return "none: the OpenCL CPU target " + cpu_target() + " has no AVX2";
+  if (vector_width < 8 || cpu_target() == "corei7-avx") return "none: the OpenCL CPU target " + cpu_target() + " has no AVX2";
   return "";
 }
 
