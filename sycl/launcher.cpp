@@ -215,11 +215,14 @@ bool cpu_has_amx_fp16() {
   return cpu_has_amx_bf16() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 21) & 1u);
 }
 
-// AVX-512 with BW (CPUID leaf 7: EBX bits 16 and 30) and the OS saving the zmm state (XCR0 bits
-// 1, 2 and 5-7): what the dot-product kernels' assembly needs besides its dot-product instruction.
+// AVX-512 with BW and VL (CPUID leaf 7: EBX bits 16, 30 and 31) and the OS saving the zmm state
+// (XCR0 bits 1, 2 and 5-7): what the assembly of the AVX-512 tiles needs besides their dot-product
+// instruction (their lane sums use ymm and xmm forms of registers 16-31).
 bool cpu_has_avx512_bw() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((ebx >> 16) & 1u) || !((ebx >> 30) & 1u)) return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((ebx >> 16) & 1u) || !((ebx >> 30) & 1u) ||
+      !((ebx >> 31) & 1u))
+    return false;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1u)) return false;  // OSXSAVE
   unsigned lo = 0, hi = 0;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
@@ -304,15 +307,15 @@ std::string cpu_dot_refusal(const char* off, bool (*has)(), const char* isa) {
   return "";
 }
 
-// ... and for the AVX2 FMA family, which runs where the kernels' vectors are 8 floats wide
-// (vector_width: the CPU's own, or the OpenCL CPU target core-avx2's); wider vectors keep the
-// vector kernels' AVX-512 tiles, and an SSE or AVX target has no AVX2.
+// ... and for the FMA family, whose assembly is written for the kernels' vectors (vector_width:
+// the CPU's own, or the OpenCL CPU target's, e.g. core-avx2's under a 16-float CPU): 16 floats
+// (AVX-512) or 8 (AVX2, FMA and F16C); an SSE or AVX target has no AVX2.
 std::string cpu_fma_refusal(int vector_width) {
   const char* value = std::getenv("MOE_XPU_FMA_DOT");
   if (value != nullptr && std::string(value) == "0") return "off (MOE_XPU_FMA_DOT=0)";
+  if (vector_width == 16) return cpu_has_avx512_bw() ? "" : "none: the CPU has no AVX-512 F, BW and VL";
   if (!cpu_has_avx2_fma()) return "none: the CPU has no AVX2, FMA and F16C";
-  if (vector_width > 8) return "not used: 16-float vectors (the vector kernels' AVX-512 tiles)";
-  if (vector_width < 8 || cpu_target() == "corei7-avx") return "none: the OpenCL CPU target " + cpu_target() + " has no AVX2";
+  if (vector_width != 8 || cpu_target() == "corei7-avx") return "none: the OpenCL CPU target " + cpu_target() + " has no AVX2";
   return "";
 }
 
@@ -414,10 +417,15 @@ std::string nibble_dot_probe(sycl::queue& q, sycl::kernel k) {
   return run_dot_probe(q, k, a, b, kK, expected);
 }
 
-// The FMA dot-product kernels' self-check (moe_xpu_fma_probe): one 3 x 4 tile over 40 k of small
-// integers (exact in bf16, fp16 and float sums), for each B type and each row count.
-std::string fma_dot_probe(sycl::queue& q) {
-  constexpr int kRows = kFmaRows, kCols = kFmaCols, kK = 40;
+int cpu_vector_width(const sycl::device& dev);
+
+// The FMA dot-product kernels' self-check (moe_xpu_fma_probe) at the kernels' vector width (8 or
+// 16 floats): the width's tile over 64 k of small integers (exact in bf16, fp16 and float sums)
+// for each B type it takes (16 floats: bf16 and fp16) and each row count (16 floats: a unit of two
+// such row tiles), and the decode tile's row against 8 columns.
+std::string fma_dot_probe(sycl::queue& q, int width) {
+  const int kRows = fma_rows(width), kCols = fma_cols(width);
+  constexpr int kK = 64, kB = kFmaRowCols;  // B columns a type: the decode tile's, the most
   auto value = [](int row, int k) { return (row * 5 + k * 3) % 13 - 6; };
   auto bits = [](float f) {
     std::uint32_t u = 0;
@@ -432,29 +440,35 @@ std::string fma_dot_probe(sycl::queue& q) {
     if (v == 0) return std::uint16_t(0);
     return std::uint16_t(((u >> 16) & 0x8000u) | ((((u >> 23) & 0xffu) - 127 + 15) << 10) | ((u >> 13) & 0x3ffu));
   };
-  std::vector<float> a(kRows * kK), b(2 * kCols * kK);
-  std::vector<std::uint16_t> b16(2 * kCols * kK);
-  std::vector<float> expected(3 * kRows * kRows * kCols, 0.0f);
+  // B column j of every type holds value(kRows + j, k); the sums of integers this small are exact.
+  std::vector<float> a(kRows * kK), b(2 * kB * kK);
+  std::vector<std::uint16_t> b16(2 * kB * kK);
   for (int k = 0; k < kK; ++k) {
     for (int i = 0; i < kRows; ++i) a[i * kK + k] = float(value(i, k));
-    for (int j = 0; j < kCols; ++j) {
+    for (int j = 0; j < kB; ++j) {
       b[j * kK + k] = float(value(kRows + j, k));
       b16[j * kK + k] = bf16_of(value(kRows + j, k));
-      b16[(kCols + j) * kK + k] = fp16_of(value(kRows + j, k));
+      b16[(kB + j) * kK + k] = fp16_of(value(kRows + j, k));
     }
   }
-  std::memcpy(b.data() + kCols * kK, b16.data(), b16.size() * 2);
-  for (int t = 0; t < 3; ++t)
+  std::memcpy(b.data() + kB * kK, b16.data(), b16.size() * 2);
+  auto dot = [&](int i, int j) {
+    float sum = 0.0f;
+    for (int k = 0; k < kK; ++k) sum += float(value(i, k) * value(kRows + j, k));
+    return sum;
+  };
+  std::vector<float> tiles(3 * kRows * kRows * kCols, 0.0f), rows(3 * kB, 0.0f);
+  for (int t = width == 16 ? 1 : 0; t < 3; ++t) {  // (16 floats: float B is the vector kernels', sums zero)
     for (int r = 1; r <= kRows; ++r)
       for (int i = 0; i < r; ++i)
-        for (int j = 0; j < kCols; ++j) {
-          float sum = 0.0f;
-          for (int k = 0; k < kK; ++k) sum += float(value(i, k) * value(kRows + j, k));
-          expected[36 * t + 12 * (r - 1) + i * kCols + j] = sum;
-        }
+        for (int j = 0; j < kCols; ++j) tiles[t * kRows * kRows * kCols + (r - 1) * kRows * kCols + i * kCols + j] = dot(i, j);
+    for (int j = 0; j < kB; ++j) rows[t * kB + j] = dot(0, j);
+  }
   std::string log;
-  auto exe = build_source(q, std::string("#define MOE_XPU_FMA_PROBE\n") + kMoeGemmFmaSource, {"moe_xpu_fma_probe"}, &log);
-  return run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_probe"), a, b, kK, expected);
+  auto exe = build_source(q, "#define MOE_XPU_FMA_PROBE " + std::to_string(width) + "\n" + kMoeGemmFmaSource,
+                          {"moe_xpu_fma_probe", "moe_xpu_fma_row_probe"}, &log);
+  const std::string tile = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_probe"), a, b, kK, tiles);
+  return !tile.empty() ? tile : run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_row_probe"), a, b, kK, rows);
 }
 
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:
@@ -472,7 +486,7 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
   if (status.nibble.empty()) names.push_back("moe_xpu_nibble_dot_probe");
   if (status.fma.empty()) {
     try {
-      status.fma = fma_dot_probe(q);
+      status.fma = fma_dot_probe(q, cpu_vector_width(q.get_device()));
     } catch (const sycl::exception& e) {
       status.fma = std::string("none: the kernels' self-check failed: ") + e.what();
     }
@@ -535,11 +549,10 @@ DotStatus dot_probes(sycl::queue q, DotStatus status) {
 }
 
 int cpu_target_vector_width();
-int cpu_vector_width(const sycl::device& dev);
 
 // Where the dot-product kernels may run on q's device: moe_gemm_dot.cpp's bf16 (AVX512-BF16,
 // MOE_XPU_BF16_DOT=0 turns it off), W8A8 int8 (AVX512-VNNI, MOE_XPU_INT8_DOT=0) and weight-decoding
-// ones (MOE_XPU_NIBBLE_DOT=0), and moe_gemm_fma.cpp's AVX2 FMA ones (MOE_XPU_FMA_DOT=0). Decided
+// ones (MOE_XPU_NIBBLE_DOT=0), and moe_gemm_fma.cpp's FMA ones (MOE_XPU_FMA_DOT=0). Decided
 // once per process.
 const DotStatus& dot_status(const sycl::queue& q) {
   static const DotStatus* status = [&] {
@@ -617,7 +630,7 @@ const DeviceDescription& describe(const sycl::queue& q) {
   d.bf16_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).bf16.empty();
   d.int8_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).int8.empty();
   d.nibble_dot = d.is_cpu && d.vector_width >= 16 && dot_status(q).nibble.empty();
-  d.fma_dot = d.is_cpu && d.vector_width == 8 && dot_status(q).fma.empty();
+  d.fma_dot = d.is_cpu && (d.vector_width == 8 || d.vector_width == 16) && dot_status(q).fma.empty();
   if (d.is_cpu && cpu_amx_usable()) d.matrix_shapes.push_back(MatrixShape{16, 16, 32, 16, false, cpu_has_amx_int8()});
   if (!d.is_cpu) d.matrix_shapes = gpu_matrix_shapes(dev, d.sub_group_sizes);
   return cache->emplace(key, std::move(d)).first->second;

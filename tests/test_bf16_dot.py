@@ -277,7 +277,7 @@ def test_n_dot_past_the_packed_k_reads_b(dot):
 def test_state_names_why_the_kernels_do_not_run(C, family):
     # Unlike the tests above, on every CPU: "on" exactly where the device description has them
     # (every dot-product family: bf16, test_int8_dot.py's W8A8 kernel, test_nibble_dot.py's 4-bit one,
-    # test_fma_dot.py's AVX2 FMA one).
+    # test_fma_dot.py's FMA one).
     state = getattr(C, f"{family}_dot_state")()
     assert (state == "on") == C.device_description(0)[f"{family}_dot"], state
     switch = f"MOE_XPU_{family.upper()}_DOT"

@@ -51,7 +51,7 @@ def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_
     """Removing the requirement from one kernel makes every launch fail with a RuntimeError
     naming the device, the property and the fallback, on every CPU target (on AVX-512 targets
     the compiler happens to pick 16 anyway: the check does not rely on that). The quantized and
-    the AVX2 FMA kernels' sources are swapped through their own variables."""
+    the FMA kernels' sources are swapped through their own variables."""
     if layout == "fma" and not C.device_description(0)["fma_dot"]:
         pytest.skip(f"no FMA dot-product kernels here: {C.fma_dot_state()}")
     quant = layout == "int8"
@@ -64,6 +64,8 @@ def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_
     monkeypatch.setattr(ops, "_PREPARED", type(ops._PREPARED)())  # prepared calls keep their kernel
     a = torch.randn(8, 32)
     b = torch.randn(2, 32, 48) if layout == "kn" else torch.randn(2, 48, 32).transpose(1, 2)
+    if layout == "fma":  # bf16 B: the family's on AVX2 and AVX-512 alike
+        a, b = a.bfloat16(), b.bfloat16()
     if quant:
         b = moe_xpu.quantize_experts(b, "int8")
     device = C.device_info(0).name

@@ -1,13 +1,66 @@
 // What the K-split kernels whose register tile is x86 assembly share (moe_gemm_dot.cpp's bf16
-// kernel on AVX512-BF16, moe_gemm_fma.cpp's AVX2 FMA kernels): the walk over a worker's units,
-// lane 0 running each row tile's assembly, and the epilogue the lanes share. Handed to the runtime
-// compiler as an include file.
+// kernel on AVX512-BF16, moe_gemm_fma.cpp's FMA kernels on AVX2 and AVX-512): the AVX-512 register
+// tile's macros, the walk over a worker's units, lane 0 running each row tile's assembly, and the
+// epilogue the lanes share. Handed to the runtime compiler as an include file.
 #pragma once
 
 #include "epilogue.hpp"
 #include "scheduler.hpp"
 
 namespace moe_xpu {
+
+// The AVX-512 assembly families' register tile (moe_gemm_dot.cpp's bf16 and int8 kernels,
+// moe_gemm_fma.cpp's FMA kernels on AVX-512): 4 rows x 6 columns of 16-lane accumulators in
+// zmm0..zmm23, the step's 6 B vectors in zmm24..zmm29 and a row's A vector in zmm30.
+// (The tile, kDotRows x kDotCols, and kDotSums are in sizes.hpp, shared with the launcher.)
+
+// Where the tile's row count goes in the sums area (an int32 after the 24 sums; 96 bytes in).
+constexpr int64_t kDotRowCount = 24;
+#define MOE_XPU_DOT_ROW_COUNT_AT "96"
+static_assert(kDotRowCount < kDotSums && kDotRowCount * 4 == 96, "the row count's place");
+
+// Every dot-product tile's short-tile branch: row i of the tile runs only where the tile's row
+// count (an int32 `at` bytes from the sums pointer, written by lane 0 before the tile) exceeds i;
+// else on to the end of the current step or sub-block (label 2). The branch goes the same way all
+// the tile long, so a group's last, short row tile costs its rows, not the tile's.
+#define MOE_XPU_DOT_IF_ROW(at, i) "cmpl $" #i ", " at "(%[sums])\n\t" "jbe 2f\n\t"
+
+// The tile's 24 accumulators zmm0..zmm23 (acc[i][j] in zmm(6 i + j)) zeroed, and summed into
+// sums[0..23] by a SUM(r) macro.
+#define MOE_XPU_DOT_ZERO_TILE                                                                                   \
+  "vpxord %%zmm0, %%zmm0, %%zmm0\n\t" "vpxord %%zmm1, %%zmm1, %%zmm1\n\t" "vpxord %%zmm2, %%zmm2, %%zmm2\n\t"       \
+  "vpxord %%zmm3, %%zmm3, %%zmm3\n\t" "vpxord %%zmm4, %%zmm4, %%zmm4\n\t" "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"       \
+  "vpxord %%zmm6, %%zmm6, %%zmm6\n\t" "vpxord %%zmm7, %%zmm7, %%zmm7\n\t" "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"       \
+  "vpxord %%zmm9, %%zmm9, %%zmm9\n\t" "vpxord %%zmm10, %%zmm10, %%zmm10\n\t" "vpxord %%zmm11, %%zmm11, %%zmm11\n\t" \
+  "vpxord %%zmm12, %%zmm12, %%zmm12\n\t" "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"                                   \
+  "vpxord %%zmm14, %%zmm14, %%zmm14\n\t" "vpxord %%zmm15, %%zmm15, %%zmm15\n\t"                                   \
+  "vpxord %%zmm16, %%zmm16, %%zmm16\n\t" "vpxord %%zmm17, %%zmm17, %%zmm17\n\t"                                   \
+  "vpxord %%zmm18, %%zmm18, %%zmm18\n\t" "vpxord %%zmm19, %%zmm19, %%zmm19\n\t"                                   \
+  "vpxord %%zmm20, %%zmm20, %%zmm20\n\t" "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"                                   \
+  "vpxord %%zmm22, %%zmm22, %%zmm22\n\t" "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
+#define MOE_XPU_DOT_TILE_SUMS(SUM)                                                                     \
+  SUM(0) SUM(1) SUM(2) SUM(3) SUM(4) SUM(5) SUM(6) SUM(7) SUM(8) SUM(9) SUM(10) SUM(11) SUM(12) SUM(13) \
+  SUM(14) SUM(15) SUM(16) SUM(17) SUM(18) SUM(19) SUM(20) SUM(21) SUM(22) SUM(23)
+
+// Row i's products of one k step: its A vector (zmm30) against the 6 B vectors into acc[i][0..5]
+// (r0..r5), by instruction OP.
+#define MOE_XPU_DOT_ROW_DOTS(OP, r0, r1, r2, r3, r4, r5)                                          \
+  OP " %%zmm24, %%zmm30, %%zmm" #r0 "\n\t" OP " %%zmm25, %%zmm30, %%zmm" #r1 "\n\t"               \
+  OP " %%zmm26, %%zmm30, %%zmm" #r2 "\n\t" OP " %%zmm27, %%zmm30, %%zmm" #r3 "\n\t"               \
+  OP " %%zmm28, %%zmm30, %%zmm" #r4 "\n\t" OP " %%zmm29, %%zmm30, %%zmm" #r5 "\n\t"
+#define MOE_XPU_DOT_IF_TILE_ROW(i) MOE_XPU_DOT_IF_ROW(MOE_XPU_DOT_ROW_COUNT_AT, i)
+
+// Accumulator r's 16 lanes summed (halves added: 8, 4, 2, 1 lanes) into sums[r].
+#define MOE_XPU_DOT_SUM(r)                                   \
+  "vextractf64x4 $1, %%zmm" #r ", %%ymm29\n\t"                 \
+  "vaddps %%ymm29, %%ymm" #r ", %%ymm" #r "\n\t"                \
+  "vextractf32x4 $1, %%ymm" #r ", %%xmm29\n\t"                 \
+  "vaddps %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vpermilps $0x4e, %%xmm" #r ", %%xmm29\n\t"                  \
+  "vaddps %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vpermilps $0xb1, %%xmm" #r ", %%xmm29\n\t"                  \
+  "vaddss %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
+  "vmovss %%xmm" #r ", " #r "*4(%[sums])\n\t"
 
 // The body of such a kernel (the vector kernels' parameters, moe_gemm.cpp: MOE_XPU_KERNEL_PARAMS).
 // The runtime vectorizes the kernel across the sub-group's work-items and runs each active

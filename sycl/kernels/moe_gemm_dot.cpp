@@ -33,33 +33,6 @@ namespace moe_xpu {
 
 // (The tile, kDotRows x kDotCols, and kDotSums are in sizes.hpp, shared with the launcher.)
 constexpr int64_t kDotStep = 32;  // bf16 elements of K per vdpbf16ps
-// Where the tile's row count goes in the sums area (an int32 after the 24 sums; 96 bytes in).
-constexpr int64_t kDotRowCount = 24;
-#define MOE_XPU_DOT_ROW_COUNT_AT "96"
-static_assert(kDotRowCount < kDotSums && kDotRowCount * 4 == 96, "the row count's place");
-
-// Every dot-product tile's short-tile branch: row i of the tile runs only where the tile's row
-// count (an int32 `at` bytes from the sums pointer, written by lane 0 before the tile) exceeds i;
-// else on to the end of the current step or sub-block (label 2). The branch goes the same way all
-// the tile long, so a group's last, short row tile costs its rows, not the tile's.
-#define MOE_XPU_DOT_IF_ROW(at, i) "cmpl $" #i ", " at "(%[sums])\n\t" "jbe 2f\n\t"
-
-// The tile's 24 accumulators zmm0..zmm23 (acc[i][j] in zmm(6 i + j)) zeroed, and summed into
-// sums[0..23] by a SUM(r) macro.
-#define MOE_XPU_DOT_ZERO_TILE                                                                                   \
-  "vpxord %%zmm0, %%zmm0, %%zmm0\n\t" "vpxord %%zmm1, %%zmm1, %%zmm1\n\t" "vpxord %%zmm2, %%zmm2, %%zmm2\n\t"       \
-  "vpxord %%zmm3, %%zmm3, %%zmm3\n\t" "vpxord %%zmm4, %%zmm4, %%zmm4\n\t" "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"       \
-  "vpxord %%zmm6, %%zmm6, %%zmm6\n\t" "vpxord %%zmm7, %%zmm7, %%zmm7\n\t" "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"       \
-  "vpxord %%zmm9, %%zmm9, %%zmm9\n\t" "vpxord %%zmm10, %%zmm10, %%zmm10\n\t" "vpxord %%zmm11, %%zmm11, %%zmm11\n\t" \
-  "vpxord %%zmm12, %%zmm12, %%zmm12\n\t" "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"                                   \
-  "vpxord %%zmm14, %%zmm14, %%zmm14\n\t" "vpxord %%zmm15, %%zmm15, %%zmm15\n\t"                                   \
-  "vpxord %%zmm16, %%zmm16, %%zmm16\n\t" "vpxord %%zmm17, %%zmm17, %%zmm17\n\t"                                   \
-  "vpxord %%zmm18, %%zmm18, %%zmm18\n\t" "vpxord %%zmm19, %%zmm19, %%zmm19\n\t"                                   \
-  "vpxord %%zmm20, %%zmm20, %%zmm20\n\t" "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"                                   \
-  "vpxord %%zmm22, %%zmm22, %%zmm22\n\t" "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
-#define MOE_XPU_DOT_TILE_SUMS(SUM)                                                                     \
-  SUM(0) SUM(1) SUM(2) SUM(3) SUM(4) SUM(5) SUM(6) SUM(7) SUM(8) SUM(9) SUM(10) SUM(11) SUM(12) SUM(13) \
-  SUM(14) SUM(15) SUM(16) SUM(17) SUM(18) SUM(19) SUM(20) SUM(21) SUM(22) SUM(23)
 
 // One k step of the 4 x 6 tile (32 bf16 elements, or 64 int8 ones), row by row: the 6 B columns'
 // vectors into zmm24-29, then each row's A vector (zmm30) and its 6 dot products into acc[i][0..5]
@@ -67,25 +40,8 @@ static_assert(kDotRowCount < kDotSums && kDotRowCount * 4 == 96, "the row count'
 #define MOE_XPU_DOT_B_STEP(MOV)                                                                    \
   MOV " (%[b0],%[ko]), %%zmm24\n\t" MOV " (%[b1],%[ko]), %%zmm25\n\t" MOV " (%[b2],%[ko]), %%zmm26\n\t" \
   MOV " (%[b3],%[ko]), %%zmm27\n\t" MOV " (%[b4],%[ko]), %%zmm28\n\t" MOV " (%[b5],%[ko]), %%zmm29\n\t"
-#define MOE_XPU_DOT_ROW_DOTS(OP, r0, r1, r2, r3, r4, r5)                                          \
-  OP " %%zmm24, %%zmm30, %%zmm" #r0 "\n\t" OP " %%zmm25, %%zmm30, %%zmm" #r1 "\n\t"               \
-  OP " %%zmm26, %%zmm30, %%zmm" #r2 "\n\t" OP " %%zmm27, %%zmm30, %%zmm" #r3 "\n\t"               \
-  OP " %%zmm28, %%zmm30, %%zmm" #r4 "\n\t" OP " %%zmm29, %%zmm30, %%zmm" #r5 "\n\t"
 #define MOE_XPU_DOT_ROW(MOV, i, r0, r1, r2, r3, r4, r5, OP) \
   MOV " (%[a" #i "],%[ko]), %%zmm30\n\t" MOE_XPU_DOT_ROW_DOTS(OP, r0, r1, r2, r3, r4, r5)
-#define MOE_XPU_DOT_IF_TILE_ROW(i) MOE_XPU_DOT_IF_ROW(MOE_XPU_DOT_ROW_COUNT_AT, i)
-
-// Accumulator r's 16 lanes summed (halves added: 8, 4, 2, 1 lanes) into sums[r].
-#define MOE_XPU_DOT_SUM(r)                                   \
-  "vextractf64x4 $1, %%zmm" #r ", %%ymm29\n\t"                 \
-  "vaddps %%ymm29, %%ymm" #r ", %%ymm" #r "\n\t"                \
-  "vextractf32x4 $1, %%ymm" #r ", %%xmm29\n\t"                 \
-  "vaddps %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
-  "vpermilps $0x4e, %%xmm" #r ", %%xmm29\n\t"                  \
-  "vaddps %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
-  "vpermilps $0xb1, %%xmm" #r ", %%xmm29\n\t"                  \
-  "vaddss %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
-  "vmovss %%xmm" #r ", " #r "*4(%[sums])\n\t"
 
 // The sums of a 4 x 6 tile over k in [0, k_full), k_full a positive multiple of 32: sums[i * 6 + j].
 // Each k step also asks for 6 lines, into L2, of the B rows from `next` on: the worker's next
@@ -202,9 +158,7 @@ inline void dot_int8_column_sums(int32_t* sums, const int8_t* const (&b_end)[kDo
 #undef MOE_XPU_DOT8_ROW
 #undef MOE_XPU_DOT8_SUM
 #undef MOE_XPU_DOT_B_STEP
-#undef MOE_XPU_DOT_ROW_DOTS
 #undef MOE_XPU_DOT_ROW
-#undef MOE_XPU_DOT_IF_TILE_ROW
 
 // The K-split GEMM on bf16 A and bf16 B contiguous along K (b_stride_n: B's stride between
 // columns), the same parameters as moe_gemm_k_lanes so that the launcher drives both alike.

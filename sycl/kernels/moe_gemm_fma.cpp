@@ -1,26 +1,31 @@
-// moe_xpu's FMA dot-product kernel family for CPUs whose vector class is AVX2 (16 registers of 8
-// floats), for B contiguous along K (nn.Linear weights) in float32, bf16 or fp16, with float32 A.
+// moe_xpu's FMA dot-product kernel family for CPUs without a bf16 dot-product instruction or a
+// matrix engine for the call, for B contiguous along K (nn.Linear weights) in float32, bf16 or
+// fp16, with float32 A: x86 assembly on AVX2 (16 registers of 8 floats) and on AVX-512 (32 of 16).
 //
-// There a 16-lane sub-group vector takes two registers, so the vector K-split kernel
+// On AVX2 a 16-lane sub-group vector takes two registers, so the vector K-split kernel
 // (moe_gemm.cpp: k_lanes) holds at most 3 x 2 (row, column) pairs and loads five vectors for every
 // six FMAs: bound by its loads. This family's k loop is x86 assembly (carried through SPIR-V as
-// moe_gemm_dot.cpp's is) on 8-float registers: a 3 x 4 tile of 12 accumulators, the tile's three
-// A vectors and one B vector, so a k step of 8 loads 7 vectors for 12 FMAs.
+// moe_gemm_dot.cpp's is) on whole registers: on AVX2 a 3 x 4 tile of 12 accumulators, the tile's
+// three A vectors and one B vector, so a k step of 8 loads 7 vectors for 12 FMAs; on AVX-512 the
+// dot-product kernels' 4 x 6 tile (assembly_tile.hpp), a k step of 16 loading 10 vectors for 24
+// FMAs, where the vector kernel's 6 x 4 tile of 16-lane vectors reloads its A and B vectors from
+// memory for every column group and runs its gathers and lane bookkeeping besides.
 //
 // As in moe_gemm_dot.cpp, lane 0 of each sub-group runs its worker's assembly, the tile's sums
 // pass through work-group local memory, and the 16 lanes share the epilogue (assembly_tile.hpp).
-// Lane l of accumulator (i, j) sums the products of k = 8 s + l over the steps s, the 8 lanes are
-// added by halves afterwards, and the last K % 8 elements with float FMAs: a fixed order, so
-// results are bitwise reproducible (and differ in the last bits from the vector kernels').
+// Lane l of accumulator (i, j) sums the products of k = W s + l over the steps s (W = 8 or 16,
+// the floats of a register), the lanes are added by halves afterwards, and the last K % W
+// elements with float FMAs: a fixed order, so results are bitwise reproducible (and differ in the
+// last bits from the vector kernels').
 //
-// Only compiled where the device description says the CPU runs AVX2 and FMA code and the CPU
-// target's vectors are 8 floats wide (DeviceDescription::fma_dot); never for a GPU.
+// Only compiled where the device description says the CPU runs this code and the CPU target's
+// vectors are 8 floats wide (AVX2, FMA and F16C) or 16 (AVX-512F) (DeviceDescription::fma_dot);
+// never for a GPU.
 #include "assembly_tile.hpp"
 
 namespace moe_xpu {
 
-// (The tile, kFmaRows x kFmaCols, and kFmaSums are in sizes.hpp, shared with the launcher.)
-constexpr int64_t kFmaStep = 8;  // floats of K per register
+// (The tiles, fma_rows x fma_cols, and their sums' floats are in sizes.hpp, shared with the launcher.)
 
 // B's k step for column j into ymm15, per B type: offsets run in units of 2 bytes a k element,
 // so float rows are addressed at scale 2 and 16-bit rows at scale 1.
@@ -80,7 +85,7 @@ constexpr int64_t kFmaStep = 8;  // floats of K per register
   else MOE_XPU_FMA_TILE(3, LOAD, PREFETCH);
 
 template <typename T>
-inline void fma_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kFmaRows],
+__attribute__((always_inline)) inline void fma_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kFmaRows],
                           const T* const (&b_end)[kFmaCols], int64_t k_full, const void* next) {
   int64_t ko = -2 * k_full;
   const char* pn = static_cast<const char*>(next);
@@ -111,7 +116,7 @@ inline void fma_tile_sums(float* sums, int64_t rows, const float* const (&a_end)
 
 // One row's sums against 8 columns over k in [0, k_full), as fma_tile_sums: sums[j].
 template <typename T>
-inline void fma_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
+__attribute__((always_inline)) inline void fma_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
                          int64_t k_full, const void* next) {
   int64_t ko = -2 * k_full;
   const char* pn = static_cast<const char*>(next);
@@ -154,12 +159,94 @@ inline void fma_row_sums(float* sums, const float* const (&a_end)[1], const T* c
 #undef MOE_XPU_FMA_LOAD_BF16
 #undef MOE_XPU_FMA_LOAD_FLOAT
 
+// AVX-512 (16-bit B only: with float32 B the vector kernels' k loop, a 16-lane vector a register,
+// is this loop already): B's k step for column j into zmm r (offsets in 2-byte units as above).
+#define MOE_XPU_FMA16_BF16(j, r) "vpmovzxwd (%[b" #j "],%[ko]), %%zmm" #r "\n\t" "vpslld $16, %%zmm" #r ", %%zmm" #r "\n\t"
+#define MOE_XPU_FMA16_HALF(j, r) "vcvtph2ps (%[b" #j "],%[ko]), %%zmm" #r "\n\t"
+#define MOE_XPU_FMA16_B_STEP(LOAD) LOAD(0, 24) LOAD(1, 25) LOAD(2, 26) LOAD(3, 27) LOAD(4, 28) LOAD(5, 29)
+#define MOE_XPU_FMA16_ROW(i, r0, r1, r2, r3, r4, r5) \
+  "vmovups (%[a" #i "],%[ko],2), %%zmm30\n\t" MOE_XPU_DOT_ROW_DOTS("vfmadd231ps", r0, r1, r2, r3, r4, r5)
+
+// The 4 x 6 tile's sums over k in [0, k_full), k_full a positive multiple of 16: sums[i * 6 + j],
+// rows past the tile's row count (sums[kDotRowCount], written first) skipped. Pointers as for
+// fma_tile_sums. No software prefetch: asking for the next unit's lines, as the AVX2 tile does,
+// measured slower here on every bench case (the hardware prefetchers keep up).
+#define MOE_XPU_FMA16_TILE(LOAD)                                                                               \
+  asm volatile(MOE_XPU_DOT_ZERO_TILE "1:\n\t" MOE_XPU_FMA16_B_STEP(LOAD)                                          \
+               MOE_XPU_FMA16_ROW(0, 0, 1, 2, 3, 4, 5) MOE_XPU_DOT_IF_TILE_ROW(1)                               \
+               MOE_XPU_FMA16_ROW(1, 6, 7, 8, 9, 10, 11) MOE_XPU_DOT_IF_TILE_ROW(2)                             \
+               MOE_XPU_FMA16_ROW(2, 12, 13, 14, 15, 16, 17) MOE_XPU_DOT_IF_TILE_ROW(3)                         \
+               MOE_XPU_FMA16_ROW(3, 18, 19, 20, 21, 22, 23) "2:\n\t" "add $32, %[ko]\n\t" "jnz 1b\n\t"         \
+               MOE_XPU_DOT_TILE_SUMS(MOE_XPU_DOT_SUM)                                                          \
+               : [ko] "+r"(ko)                                                                                  \
+               : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),                \
+                 [b0] "r"(b_end[0]), [b1] "r"(b_end[1]), [b2] "r"(b_end[2]), [b3] "r"(b_end[3]),                \
+                 [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [sums] "r"(sums)                                       \
+               : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", \
+                 "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19",      \
+                 "zmm20", "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30")
+
+template <typename T>
+__attribute__((always_inline)) inline void fma16_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kDotRows],
+                                                           const T* const (&b_end)[kDotCols], int64_t k_full) {
+  static_assert(!std::is_same_v<T, float>, "16-bit B");
+  reinterpret_cast<int32_t*>(sums)[kDotRowCount] = int32_t(rows);
+  int64_t ko = -2 * k_full;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    MOE_XPU_FMA16_TILE(MOE_XPU_FMA16_BF16);
+  } else {
+    MOE_XPU_FMA16_TILE(MOE_XPU_FMA16_HALF);
+  }
+}
+
+// The AVX-512 decode tile: one row (A in zmm30) against 8 columns (accumulators zmm0-7), B widened
+// into zmm24 first; no software prefetch either.
+#define MOE_XPU_FMA16_ROW_BF16(j) MOE_XPU_FMA16_BF16(j, 24) "vfmadd231ps %%zmm24, %%zmm30, %%zmm" #j "\n\t"
+#define MOE_XPU_FMA16_ROW_HALF(j) MOE_XPU_FMA16_HALF(j, 24) "vfmadd231ps %%zmm24, %%zmm30, %%zmm" #j "\n\t"
+#define MOE_XPU_FMA16_ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define MOE_XPU_FMA16_ROW_TILE(COL)                                                                            \
+  asm volatile(MOE_XPU_FMA16_ZERO(0) MOE_XPU_FMA16_ZERO(1) MOE_XPU_FMA16_ZERO(2) MOE_XPU_FMA16_ZERO(3)         \
+               MOE_XPU_FMA16_ZERO(4) MOE_XPU_FMA16_ZERO(5) MOE_XPU_FMA16_ZERO(6) MOE_XPU_FMA16_ZERO(7)         \
+               "1:\n\t" "vmovups (%[a0],%[ko],2), %%zmm30\n\t" COL(0) COL(1) COL(2) COL(3) COL(4)    \
+               COL(5) COL(6) COL(7) "add $32, %[ko]\n\t" "jnz 1b\n\t" MOE_XPU_DOT_SUM(0) MOE_XPU_DOT_SUM(1)     \
+               MOE_XPU_DOT_SUM(2) MOE_XPU_DOT_SUM(3) MOE_XPU_DOT_SUM(4) MOE_XPU_DOT_SUM(5) MOE_XPU_DOT_SUM(6)  \
+               MOE_XPU_DOT_SUM(7)                                                                               \
+               : [ko] "+r"(ko)                                                                                  \
+               : [a0] "r"(a_end[0]), [b0] "r"(b_end[0]), [b1] "r"(b_end[1]), [b2] "r"(b_end[2]),                \
+                 [b3] "r"(b_end[3]), [b4] "r"(b_end[4]), [b5] "r"(b_end[5]), [b6] "r"(b_end[6]),                \
+                 [b7] "r"(b_end[7]), [sums] "r"(sums)                                                           \
+               : "memory", "cc", "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm24",       \
+                 "zmm29", "zmm30")
+
+template <typename T>
+__attribute__((always_inline)) inline void fma16_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
+                           int64_t k_full) {
+  static_assert(!std::is_same_v<T, float>, "16-bit B");
+  int64_t ko = -2 * k_full;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    MOE_XPU_FMA16_ROW_TILE(MOE_XPU_FMA16_ROW_BF16);
+  } else {
+    MOE_XPU_FMA16_ROW_TILE(MOE_XPU_FMA16_ROW_HALF);
+  }
+}
+
+#undef MOE_XPU_FMA16_ROW_TILE
+#undef MOE_XPU_FMA16_ZERO
+#undef MOE_XPU_FMA16_ROW_HALF
+#undef MOE_XPU_FMA16_ROW_BF16
+#undef MOE_XPU_FMA16_TILE
+#undef MOE_XPU_FMA16_ROW
+#undef MOE_XPU_FMA16_B_STEP
+#undef MOE_XPU_FMA16_HALF
+#undef MOE_XPU_FMA16_BF16
+
 // The K-split GEMM on float A and B contiguous along K (float32, bf16 or fp16; b_stride_n: B's
 // stride between columns), the vector kernels' parameters (moe_gemm.cpp: MOE_XPU_KERNEL_PARAMS)
 // so that the launcher drives both alike: 16-bit A is widened once before the launch
-// (LaunchPlan::widen_a), so the k loop converts only B. TM x TN is the plan's tile (3 x 4: gated
-// tiles are 2 gate columns then the matching 2 up columns), or for decode 1 x 8.
-template <typename T, typename TOut, int TM, int TN, bool Gated>
+// (LaunchPlan::widen_a), so the k loop converts only B. W is the floats of a register (8: AVX2,
+// 16: AVX-512); TM x TN the plan's tile, fma_rows(W) x fma_cols(W) (gated tiles are the gate
+// columns then the matching up columns), or for decode 1 x 8.
+template <typename T, typename TOut, int TM, int TN, bool Gated, int W>
 MOE_XPU_KERNEL
 void moe_gemm_k_fma(const float* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
                     int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_n, const T* bias,
@@ -167,60 +254,119 @@ void moe_gemm_k_fma(const float* a, int64_t a_row_stride, int64_t a_rows, const 
                     const void* group_offsets, int offsets_is64, int64_t num_groups, int64_t K, int64_t N,
                     int activation, int64_t up_offset, const void* scatter_index, int scatter_is64,
                     const float* row_weight) {
-  static_assert((TM == kFmaRows && TN == kFmaCols) || (TM == 1 && TN == kFmaRowCols),
-                "the assembly is written for two register tiles");
-  float* tile_sums = local_floats<kFmaSums>();
-  assembly_k_split<TM, TN, Gated, kFmaStep>(
+  static_assert(W == 8 || W == 16, "AVX2 or AVX-512 registers");
+  static_assert((TM == fma_rows(W) && TN == fma_cols(W)) || (TM == 1 && TN == kFmaRowCols),
+                "the assembly is written for two register tiles a width");
+  float* tile_sums = local_floats<fma_sums_floats(W)>();
+  assembly_k_split<TM, TN, Gated, W>(
       a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_n, bias, bias_stride_e, out,
       out_row_stride, out_rows, group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
       scatter_index, scatter_is64, row_weight, tile_sums,
       [&](int64_t valid, const float* const (&a_end)[TM], const T* const (&b_end)[TN], int64_t k_full,
           const T* next) {
-        if constexpr (TM == 1) fma_row_sums(tile_sums, a_end, b_end, k_full, next);
-        else fma_tile_sums(tile_sums, valid, a_end, b_end, k_full, next);
+        if constexpr (W == 8 && TM == 1) fma_row_sums(tile_sums, a_end, b_end, k_full, next);
+        else if constexpr (W == 8) fma_tile_sums(tile_sums, valid, a_end, b_end, k_full, next);
+        else if constexpr (TM == 1) fma16_row_sums(tile_sums, a_end, b_end, k_full);
+        else fma16_tile_sums(tile_sums, valid, a_end, b_end, k_full);
       });
 }
 
 }  // namespace moe_xpu
 
 #ifdef MOE_XPU_FMA_PROBE
-// The launcher's check, before it lets a device use this family (launcher.cpp: dot_probes): one
-// tile's sums over k elements (a multiple of 8) of float A rows a (3 x k) and B columns b (4 x k)
-// of each B type (float, bf16 and fp16 columns one after another: 4 x k floats, then 4 x k bf16,
-// then 4 x k fp16), for 1, 2 and 3 rows: out[36 t + 12 (r - 1) + 4 i + j] for B type t.
+// The launcher's checks, before it lets a device use this family (launcher.cpp: dot_probes), for
+// the register width W = MOE_XPU_FMA_PROBE (8 or 16): over k elements (a multiple of 16) of float
+// A rows a (R x k) and B columns b of each B type t (8 x k floats, then 8 x k bf16, then 8 x k
+// fp16). moe_xpu_fma_probe: the tile R x C = fma_rows(W) x fma_cols(W) for 1 .. R rows,
+// out[t R R C + (r - 1) R C + C i + j] (at 16 floats float B, the vector kernels', is skipped: its
+// sums are zero). moe_xpu_fma_row_probe: the decode tile, row 0 against the 8
+// columns, out[8 t + j].
+//
+// Written as the first of these was for AVX2 alone (kept in two kernels, B's pointer arrays as
+// initializer lists in lane 0's branch, A's filled by every lane): variants that built the arrays
+// in a helper or ran both tiles in one loop read wrong pointers on the 8-float target.
+#define MOE_XPU_FMA_PROBE_ENDS(b) {b + k, b + 2 * k, b + 3 * k, b + 4 * k, b + 5 * k, b + 6 * k, b + 7 * k, b + 8 * k}
+#if MOE_XPU_FMA_PROBE == 8
+#define MOE_XPU_FMA_PROBE_TILE(T, bt)                                                                     \
+  const T* b_end[kFmaCols] = {bt + k, bt + 2 * k, bt + 3 * k, bt + 4 * k};                                \
+  fma_tile_sums(sums, r, a_end, b_end, k, bt);
+#define MOE_XPU_FMA_PROBE_ROW(T, bt)                                                                      \
+  const T* b_end[kFmaRowCols] = MOE_XPU_FMA_PROBE_ENDS(bt);                                             \
+  fma_row_sums(sums, a_end, b_end, k, bt);
+#else
+#define MOE_XPU_FMA_PROBE_TILE(T, bt)                                                                     \
+  const T* b_end[kDotCols] = {bt + k, bt + 2 * k, bt + 3 * k, bt + 4 * k, bt + 5 * k, bt + 6 * k};        \
+  fma16_tile_sums(sums, r, a_end, b_end, k);
+#define MOE_XPU_FMA_PROBE_ROW(T, bt)                                                                      \
+  const T* b_end[kFmaRowCols] = MOE_XPU_FMA_PROBE_ENDS(bt);                                             \
+  fma16_row_sums(sums, a_end, b_end, k);
+#endif
+
 extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
 void moe_xpu_fma_probe(const float* a, const float* b, float* out, int64_t k) {
   using namespace moe_xpu;
+  constexpr int W = MOE_XPU_FMA_PROBE, R = fma_rows(W), C = fma_cols(W);
   const Worker w = this_worker();
-  float* sums = local_floats<kFmaSums>();
-  const float* a_end[kFmaRows];
-  for (int i = 0; i < kFmaRows; ++i) a_end[i] = a + i * k + k;
-  const float* bf = b;
-  const uint16_t* bb = reinterpret_cast<const uint16_t*>(b + kFmaCols * k);
-  const sycl::half* bh = reinterpret_cast<const sycl::half*>(bb + kFmaCols * k);
+  float* sums = local_floats<fma_sums_floats(W)>();
+  const float* a_end[R];
+  for (int i = 0; i < R; ++i) a_end[i] = a + i * k + k;
+  const uint16_t* bb = reinterpret_cast<const uint16_t*>(b + kFmaRowCols * k);
+  const sycl::half* bh = reinterpret_cast<const sycl::half*>(bb + kFmaRowCols * k);
   for (int t = 0; t < 3; ++t)
-    for (int r = 1; r <= kFmaRows; ++r) {
+    for (int r = 1; r <= R; ++r) {
       if (w.lane == 0) {
-        for (int o = 0; o < kFmaRows * kFmaCols; ++o) sums[o] = 0.0f;
+        for (int o = 0; o < R * C; ++o) sums[o] = 0.0f;
         if (t == 0) {
-          const float* b_end[kFmaCols] = {bf + k, bf + 2 * k, bf + 3 * k, bf + 4 * k};
-          fma_tile_sums(sums, r, a_end, b_end, k, bf);
+#if MOE_XPU_FMA_PROBE == 8
+          MOE_XPU_FMA_PROBE_TILE(float, b)
+#endif
         } else if (t == 1) {
-          const uint16_t* b_end[kFmaCols] = {bb + k, bb + 2 * k, bb + 3 * k, bb + 4 * k};
-          fma_tile_sums(sums, r, a_end, b_end, k, bb);
+          MOE_XPU_FMA_PROBE_TILE(uint16_t, bb)
         } else {
-          const sycl::half* b_end[kFmaCols] = {bh + k, bh + 2 * k, bh + 3 * k, bh + 4 * k};
-          fma_tile_sums(sums, r, a_end, b_end, k, bh);
+          MOE_XPU_FMA_PROBE_TILE(sycl::half, bh)
         }
       }
       sycl::group_barrier(w.sg);
-      if (w.lane < kFmaRows * kFmaCols) out[36 * t + 12 * (r - 1) + w.lane] = sums[w.lane];
+      if (w.lane < R * C) out[t * R * R * C + (r - 1) * R * C + w.lane] = sums[w.lane];
+      if (R * C > kLanes && w.lane < R * C - kLanes)
+        out[t * R * R * C + (r - 1) * R * C + kLanes + w.lane] = sums[kLanes + w.lane];
       sycl::group_barrier(w.sg);
     }
 }
+
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_fma_row_probe(const float* a, const float* b, float* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* sums = local_floats<kFmaRowCols>();
+  const float* a_end[1] = {a + k};
+  const uint16_t* bb = reinterpret_cast<const uint16_t*>(b + kFmaRowCols * k);
+  const sycl::half* bh = reinterpret_cast<const sycl::half*>(bb + kFmaRowCols * k);
+  for (int t = 0; t < 3; ++t) {
+    if (w.lane == 0) {
+      for (int o = 0; o < kFmaRowCols; ++o) sums[o] = 0.0f;
+      if (t == 0) {
+#if MOE_XPU_FMA_PROBE == 8
+        MOE_XPU_FMA_PROBE_ROW(float, b)
+#endif
+      } else if (t == 1) {
+        MOE_XPU_FMA_PROBE_ROW(uint16_t, bb)
+      } else {
+        MOE_XPU_FMA_PROBE_ROW(sycl::half, bh)
+      }
+    }
+    sycl::group_barrier(w.sg);
+    if (w.lane < kFmaRowCols) out[t * kFmaRowCols + w.lane] = sums[w.lane];
+    sycl::group_barrier(w.sg);
+  }
+}
+
+#undef MOE_XPU_FMA_PROBE_ROW
+#undef MOE_XPU_FMA_PROBE_TILE
+#undef MOE_XPU_FMA_PROBE_ENDS
 #endif
 
 // Appended by the launcher after moe_gemm.cpp (whose MOE_XPU_KERNEL_PARAMS it uses), e.g.
-// MOE_XPU_INSTANTIATE_K_FMA(float, float, 3, 4, false) for "moe_xpu::moe_gemm_k_fma<float, float, 3, 4, false>".
-#define MOE_XPU_INSTANTIATE_K_FMA(T, TOut, TM, TN, GATED) \
-  template void moe_xpu::moe_gemm_k_fma<T, TOut, TM, TN, GATED>(MOE_XPU_KERNEL_PARAMS(float, T, TOut));
+// MOE_XPU_INSTANTIATE_K_FMA(float, float, 3, 4, false, 8) for "moe_xpu::moe_gemm_k_fma<float, float, 3, 4, false, 8>".
+#define MOE_XPU_INSTANTIATE_K_FMA(T, TOut, TM, TN, GATED, W) \
+  template void moe_xpu::moe_gemm_k_fma<T, TOut, TM, TN, GATED, W>(MOE_XPU_KERNEL_PARAMS(float, T, TOut));

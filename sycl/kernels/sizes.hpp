@@ -23,13 +23,17 @@ constexpr std::int64_t kNLanesPartialTiles = 192;
 constexpr int kDotRows = 4;
 constexpr int kDotCols = 6;
 constexpr std::int64_t kDotSums = 32;
-// The AVX2 FMA dot-product kernels' register tiles (moe_gemm_fma.cpp): 3 x 4 (12 accumulators, 3 A
-// vectors and 1 B vector of the 16 ymm registers) and for decode 1 x kFmaRowCols, and the floats of
-// local memory for one tile's sums.
+// The FMA dot-product kernels' register tiles (moe_gemm_fma.cpp), by the floats a register holds:
+// on AVX2 (8) 3 x 4 (12 accumulators, 3 A vectors and 1 B vector of the 16 ymm registers), on
+// AVX-512 (16) the dot-product kernels' 4 x 6 of the 32 zmm registers; for decode 1 x kFmaRowCols
+// on both; and the floats of local memory for one tile's sums.
 constexpr int kFmaRows = 3;
 constexpr int kFmaCols = 4;
 constexpr int kFmaRowCols = 8;
 constexpr std::int64_t kFmaSums = 16;
+constexpr int fma_rows(int width) { return width == 16 ? kDotRows : kFmaRows; }
+constexpr int fma_cols(int width) { return width == 16 ? kDotCols : kFmaCols; }
+constexpr std::int64_t fma_sums_floats(int width) { return width == 16 ? kDotSums : kFmaSums; }
 // The 4-bit dot-product kernel's tile (moe_gemm_nibble_dot): 4 rows x 4 columns, half a chunk of
 // the packed layout; kNibbleLocal floats of work-group local memory (its constants, sums and row
 // count). The fp8 kernel's tile is the same.
