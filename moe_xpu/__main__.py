@@ -79,7 +79,7 @@ def info(warm_up: bool = False) -> None:
                                      if t["nibble_dot"] else C.nibble_dot_state()))
         fma_tiles = ("AVX2 FMA kernels (register tiles 3 x 4, and 1 x 8 where groups average up to 2 rows) for "
                      "float32, bf16 and fp16 weights" if t["vector_width"] == 8 else
-                     "AVX-512 FMA kernels (register tile 4 x 6 run a unit of row tiles at a time, and 1 x 8 where "
+                     "AVX-512 FMA kernels (register tiles 4 x 6, and 1 x 8 where "
                      "groups average up to 2 rows) for bf16 and fp16 weights")
         print("  FMA dot        " + (fma_tiles + " contiguous along K, on float32 A (16-bit A widened to it once a "
                                      "call); self-check passed (MOE_XPU_FMA_DOT=0: off)"

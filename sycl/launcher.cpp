@@ -421,8 +421,8 @@ int cpu_vector_width(const sycl::device& dev);
 
 // The FMA dot-product kernels' self-check (moe_xpu_fma_probe) at the kernels' vector width (8 or
 // 16 floats): the width's tile over 64 k of small integers (exact in bf16, fp16 and float sums)
-// for each B type it takes (16 floats: bf16 and fp16) and each row count (16 floats: a unit of two
-// such row tiles), and the decode tile's row against 8 columns.
+// for each B type it takes (16 floats: bf16 and fp16) and each row count, and the decode tile's row
+// against 8 columns (a second probe kernel).
 std::string fma_dot_probe(sycl::queue& q, int width) {
   const int kRows = fma_rows(width), kCols = fma_cols(width);
   constexpr int kK = 64, kB = kFmaRowCols;  // B columns a type: the decode tile's, the most
@@ -802,7 +802,7 @@ Bundle& get_bundle(sycl::queue& q, const DeviceDescription& d, DType t, DType ou
                                        : kernel_source_text(source_variable(t), kMoeGemmSource) + "\n" +
                                              kMoeGemmWgradSource + "\n";
   if (t == DType::bfloat16 && d.bf16_dot) source += kernel_source_text(kDotSourceVariable, kMoeGemmDotSource) + "\n";
-  if (!is_quantized(t) && d.fma_dot) source += kernel_source_text(kFmaSourceVariable, kMoeGemmFmaSource) + "\n";
+  if (!is_quantized(t) && fma_takes(d, t)) source += kernel_source_text(kFmaSourceVariable, kMoeGemmFmaSource) + "\n";
   const std::vector<Variant> variants = bundle_variants(d, t, out);
   const sycl::device dev = q.get_device();
   check_device(dev, variants, d);

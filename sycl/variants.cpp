@@ -553,6 +553,8 @@ bool nibble_dot_compiles(const DeviceDescription& d, DType t, DType out) {
          std::find(a.begin(), a.end(), DType::bfloat16) != a.end();
 }
 
+}  // namespace
+
 // The FMA dot-product kernels take B of dtype t on d: on AVX2 float32, bf16 and fp16; on AVX-512
 // only 16-bit B, which they widen in registers once per tile row. (With float32 B the vector
 // kernels' k loop, where a 16-lane vector is one register, is already theirs, and their taller
@@ -560,8 +562,6 @@ bool nibble_dot_compiles(const DeviceDescription& d, DType t, DType out) {
 bool fma_takes(const DeviceDescription& d, DType t) {
   return d.fma_dot && (d.vector_width == 8 || t == DType::bfloat16 || t == DType::float16);
 }
-
-}  // namespace
 
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
   if (is_quantized(out) || out == DType::int8) throw std::invalid_argument("moe_xpu: the output dtype must be a float type");

@@ -68,6 +68,8 @@ MatrixShape engine_tile(const DeviceDescription& d);
 bool has_matrix_engine(const DeviceDescription& d);
 // ... and it takes inputs of dtype t (bf16 everywhere; fp16 on XMX; int8 with int8 A: AMX-INT8, XMX).
 bool engine_takes(const DeviceDescription& d, DType t);
+// Whether the FMA dot-product kernels (moe_gemm_fma.cpp) take B of dtype t on d.
+bool fma_takes(const DeviceDescription& d, DType t);
 // The sub-group size a variant is written for (and required to compile with).
 int sub_group_size(const Variant& v, const DeviceDescription& d);
 // Every variant the launcher can pick on device d for one (B dtype, output dtype) pair: one

@@ -1,6 +1,7 @@
 // moe_xpu's FMA dot-product kernel family for CPUs without a bf16 dot-product instruction or a
-// matrix engine for the call, for B contiguous along K (nn.Linear weights) in float32, bf16 or
-// fp16, with float32 A: x86 assembly on AVX2 (16 registers of 8 floats) and on AVX-512 (32 of 16).
+// matrix engine for the call, for B contiguous along K (nn.Linear weights) with float32 A: x86
+// assembly on AVX2 (16 registers of 8 floats; float32, bf16 or fp16 B) and on AVX-512 (32 of 16;
+// bf16 or fp16 B).
 //
 // On AVX2 a 16-lane sub-group vector takes two registers, so the vector K-split kernel
 // (moe_gemm.cpp: k_lanes) holds at most 3 x 2 (row, column) pairs and loads five vectors for every
@@ -8,15 +9,16 @@
 // moe_gemm_dot.cpp's is) on whole registers: on AVX2 a 3 x 4 tile of 12 accumulators, the tile's
 // three A vectors and one B vector, so a k step of 8 loads 7 vectors for 12 FMAs; on AVX-512 the
 // dot-product kernels' 4 x 6 tile (assembly_tile.hpp), a k step of 16 loading 10 vectors for 24
-// FMAs, where the vector kernel's 6 x 4 tile of 16-lane vectors reloads its A and B vectors from
-// memory for every column group and runs its gathers and lane bookkeeping besides.
+// FMAs, each 16-bit B vector widened once for 4 rows; there the vector kernel's loop is the same
+// kind of loop, and the gain is mostly the tile's fit (groups of 8 rows: two 4-row tiles where the
+// vector kernel runs a 6-row and a 2-row one; docs/performance_targets.md).
 //
 // As in moe_gemm_dot.cpp, lane 0 of each sub-group runs its worker's assembly, the tile's sums
 // pass through work-group local memory, and the 16 lanes share the epilogue (assembly_tile.hpp).
 // Lane l of accumulator (i, j) sums the products of k = W s + l over the steps s (W = 8 or 16,
 // the floats of a register), the lanes are added by halves afterwards, and the last K % W
-// elements with float FMAs: a fixed order, so results are bitwise reproducible (and differ in the
-// last bits from the vector kernels').
+// elements with float FMAs: a fixed order, so results are bitwise reproducible (the vector
+// kernels' lanes sum in the same order: on the cases measured the outputs were bitwise equal).
 //
 // Only compiled where the device description says the CPU runs this code and the CPU target's
 // vectors are 8 floats wide (AVX2, FMA and F16C) or 16 (AVX-512F) (DeviceDescription::fma_dot);
@@ -85,7 +87,7 @@ namespace moe_xpu {
   else MOE_XPU_FMA_TILE(3, LOAD, PREFETCH);
 
 template <typename T>
-__attribute__((always_inline)) inline void fma_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kFmaRows],
+inline void fma_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kFmaRows],
                           const T* const (&b_end)[kFmaCols], int64_t k_full, const void* next) {
   int64_t ko = -2 * k_full;
   const char* pn = static_cast<const char*>(next);
@@ -116,7 +118,7 @@ __attribute__((always_inline)) inline void fma_tile_sums(float* sums, int64_t ro
 
 // One row's sums against 8 columns over k in [0, k_full), as fma_tile_sums: sums[j].
 template <typename T>
-__attribute__((always_inline)) inline void fma_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
+inline void fma_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
                          int64_t k_full, const void* next) {
   int64_t ko = -2 * k_full;
   const char* pn = static_cast<const char*>(next);
@@ -187,8 +189,8 @@ __attribute__((always_inline)) inline void fma_row_sums(float* sums, const float
                  "zmm20", "zmm21", "zmm22", "zmm23", "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30")
 
 template <typename T>
-__attribute__((always_inline)) inline void fma16_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kDotRows],
-                                                           const T* const (&b_end)[kDotCols], int64_t k_full) {
+inline void fma16_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kDotRows],
+                            const T* const (&b_end)[kDotCols], int64_t k_full) {
   static_assert(!std::is_same_v<T, float>, "16-bit B");
   reinterpret_cast<int32_t*>(sums)[kDotRowCount] = int32_t(rows);
   int64_t ko = -2 * k_full;
@@ -219,7 +221,7 @@ __attribute__((always_inline)) inline void fma16_tile_sums(float* sums, int64_t 
                  "zmm29", "zmm30")
 
 template <typename T>
-__attribute__((always_inline)) inline void fma16_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
+inline void fma16_row_sums(float* sums, const float* const (&a_end)[1], const T* const (&b_end)[kFmaRowCols],
                            int64_t k_full) {
   static_assert(!std::is_same_v<T, float>, "16-bit B");
   int64_t ko = -2 * k_full;
@@ -279,8 +281,8 @@ void moe_gemm_k_fma(const float* a, int64_t a_row_stride, int64_t a_rows, const 
 // A rows a (R x k) and B columns b of each B type t (8 x k floats, then 8 x k bf16, then 8 x k
 // fp16). moe_xpu_fma_probe: the tile R x C = fma_rows(W) x fma_cols(W) for 1 .. R rows,
 // out[t R R C + (r - 1) R C + C i + j] (at 16 floats float B, the vector kernels', is skipped: its
-// sums are zero). moe_xpu_fma_row_probe: the decode tile, row 0 against the 8
-// columns, out[8 t + j].
+// sums are zero). moe_xpu_fma_row_probe: the decode tile, row 0 against the 8 columns,
+// out[8 t + j].
 //
 // Written as the first of these was for AVX2 alone (kept in two kernels, B's pointer arrays as
 // initializer lists in lane 0's branch, A's filled by every lane): variants that built the arrays
