@@ -81,8 +81,11 @@ def info(warm_up: bool = False) -> None:
                      "float32, bf16 and fp16 weights" if t["vector_width"] == 8 else
                      "AVX-512 FMA kernels (register tiles 4 x 6, and 1 x 8 where "
                      "groups average up to 2 rows) for bf16 and fp16 weights")
+        fma_kn = ("; for the same weights contiguous along N ([E, K, N]) a 6 x 16 outer-product tile where groups "
+                  "average more than 2 rows and N is a multiple of 16, on A of the weights' dtype or float32"
+                  if t["vector_width"] == 8 else "")
         print("  FMA dot        " + (fma_tiles + " contiguous along K, on float32 A (16-bit A widened to it once a "
-                                     "call); self-check passed (MOE_XPU_FMA_DOT=0: off)"
+                                     "call)" + fma_kn + "; self-check passed (MOE_XPU_FMA_DOT=0: off)"
                                      if t["fma_dot"] else C.fma_dot_state()))
         limit = t["inline_flops"]
         weights = t["inline_bytes"]

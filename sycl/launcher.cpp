@@ -421,8 +421,8 @@ int cpu_vector_width(const sycl::device& dev);
 
 // The FMA dot-product kernels' self-check (moe_xpu_fma_probe) at the kernels' vector width (8 or
 // 16 floats): the width's tile over 64 k of small integers (exact in bf16, fp16 and float sums)
-// for each B type it takes (16 floats: bf16 and fp16) and each row count, and the decode tile's row
-// against 8 columns (a second probe kernel).
+// for each B type it takes (16 floats: bf16 and fp16) and each row count, the decode tile's row
+// against 8 columns (a second probe kernel) and, at 8 floats, the N-contiguous tile (a third, and a fourth for 16-bit A).
 std::string fma_dot_probe(sycl::queue& q, int width) {
   const int kRows = fma_rows(width), kCols = fma_cols(width);
   constexpr int kK = 64, kB = kFmaRowCols;  // B columns a type: the decode tile's, the most
@@ -464,11 +464,46 @@ std::string fma_dot_probe(sycl::queue& q, int width) {
         for (int j = 0; j < kCols; ++j) tiles[t * kRows * kRows * kCols + (r - 1) * kRows * kCols + i * kCols + j] = dot(i, j);
     for (int j = 0; j < kB; ++j) rows[t * kB + j] = dot(0, j);
   }
+  std::vector<std::string> names{"moe_xpu_fma_probe", "moe_xpu_fma_row_probe"};
+  if (width == 8) names.insert(names.end(), {"moe_xpu_n_fma_probe", "moe_xpu_n_fma_a16_probe"});
   std::string log;
-  auto exe = build_source(q, "#define MOE_XPU_FMA_PROBE " + std::to_string(width) + "\n" + kMoeGemmFmaSource,
-                          {"moe_xpu_fma_probe", "moe_xpu_fma_row_probe"}, &log);
-  const std::string tile = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_probe"), a, b, kK, tiles);
-  return !tile.empty() ? tile : run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_row_probe"), a, b, kK, rows);
+  auto exe = build_source(q, "#define MOE_XPU_FMA_PROBE " + std::to_string(width) + "\n" + kMoeGemmFmaSource, names, &log);
+  std::string wrong = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_probe"), a, b, kK, tiles);
+  if (wrong.empty()) wrong = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_fma_row_probe"), a, b, kK, rows);
+  if (!wrong.empty() || width != 8) return wrong;
+  // The N-contiguous tile (moe_xpu_n_fma_probe, moe_xpu_n_fma_a16_probe): A rows as above (and in
+  // bf16, then fp16), B as k rows of 16 columns of each type, column c holding value(kRows + c, k);
+  // for every row count the rows past it zero.
+  constexpr int kR = kNFmaRows, kC = kNFmaCols;
+  std::vector<float> an(kR * kK), an16(kR * kK), bn(2 * kC * kK);
+  std::vector<std::uint16_t> a16(2 * kR * kK), bn16(2 * kC * kK);
+  for (int k = 0; k < kK; ++k) {
+    for (int i = 0; i < kR; ++i) {
+      an[i * kK + k] = float(value(i, k));
+      a16[i * kK + k] = bf16_of(value(i, k));
+      a16[(kR + i) * kK + k] = fp16_of(value(i, k));
+    }
+    for (int c = 0; c < kC; ++c) {
+      bn[k * kC + c] = float(value(kR + c, k));
+      bn16[k * kC + c] = bf16_of(value(kR + c, k));
+      bn16[(kK + k) * kC + c] = fp16_of(value(kR + c, k));
+    }
+  }
+  std::memcpy(bn.data() + kC * kK, bn16.data(), bn16.size() * 2);
+  std::memcpy(an16.data(), a16.data(), a16.size() * 2);
+  std::vector<float> expected(3 * kR * kNFmaSums, 0.0f);
+  for (int t = 0; t < 3; ++t)
+    for (int r = 1; r <= kR; ++r)
+      for (int i = 0; i < r; ++i)
+        for (int c = 0; c < kC; ++c) {
+          float sum = 0.0f;
+          for (int k = 0; k < kK; ++k) sum += float(value(i, k) * value(kR + c, k));
+          expected[(t * kR + r - 1) * kNFmaSums + i * kC + c] = sum;
+        }
+  wrong = run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_n_fma_probe"), an, bn, kK, expected);
+  if (!wrong.empty()) return wrong;
+  expected.resize(2 * kR * kNFmaSums);  // bf16 and fp16 A: the same sums
+  return run_dot_probe(q, exe.ext_oneapi_get_kernel("moe_xpu_n_fma_a16_probe"), an16, bn, kK, expected);
 }
 
 // Whether the dot kernels compute right on this device and runtime, checked once before any use:

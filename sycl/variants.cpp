@@ -257,6 +257,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::fma_dot:
     case Family::fma_dot_gated:
       return {TileShape{1, kFmaRowCols}, TileShape{fma_rows(d.vector_width), fma_cols(d.vector_width)}};
+    case Family::fma_kn: return {TileShape{kNFmaRows, kNFmaCols / int(kSubGroupSize)}};
     case Family::nibble_dot:
     case Family::nibble_dot_gated:
     case Family::fp8_dot:
@@ -335,6 +336,7 @@ std::int64_t family_local_memory_bytes(Family f, TileShape s, const DeviceDescri
     case Family::dot_gated: return kDotSums * 4;  // a tile's sums
     case Family::fma_dot:
     case Family::fma_dot_gated: return fma_sums_floats(d.vector_width) * 4;
+    case Family::fma_kn: return kNFmaSums * 4;  // a tile's sums
     case Family::quant_dot: return 2 * kDotSums * 4;  // a tile's int32 sums and its column sums
     case Family::nibble_dot:
     case Family::nibble_dot_gated:
@@ -396,6 +398,10 @@ std::string template_args(Family f, DType a, DType t, DType out, TileShape s, co
     args << type_name(out);
     return args.str();
   }
+  if (f == Family::fma_kn) {
+    args << type_name(a) << ", " << type_name(t) << ", " << type_name(out);
+    return args.str();
+  }
   if (f == Family::fma_dot || f == Family::fma_dot_gated) {  // A is float32
     args << type_name(t) << ", " << type_name(out) << ", " << s.tile_m << ", " << s.tile_n << ", "
          << (f == Family::fma_dot_gated ? "true" : "false") << ", " << d.vector_width;
@@ -439,6 +445,7 @@ std::string kernel_base(Family f) {
     case Family::dot_gated: return "k_dot";
     case Family::fma_dot:
     case Family::fma_dot_gated: return "k_fma";
+    case Family::fma_kn: return "n_fma";
     case Family::quant_dot: return "quant_dot";
     case Family::nibble_dot:
     case Family::nibble_dot_gated: return "nibble_dot";
@@ -563,6 +570,10 @@ bool fma_takes(const DeviceDescription& d, DType t) {
   return d.fma_dot && (d.vector_width == 8 || t == DType::bfloat16 || t == DType::float16);
 }
 
+// The N-contiguous FMA kernel: AVX2 only (on AVX-512 a 16-lane vector is one register and the
+// vector N-split kernel's loop is this kernel's already).
+bool fma_kn_takes(const DeviceDescription& d, DType t) { return d.fma_dot && d.vector_width == 8 && fma_takes(d, t); }
+
 std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType out) {
   if (is_quantized(out) || out == DType::int8) throw std::invalid_argument("moe_xpu: the output dtype must be a float type");
   if (is_quantized(t)) {
@@ -598,6 +609,9 @@ std::vector<Variant> bundle_variants(const DeviceDescription& d, DType t, DType 
   if (fma_takes(d, t))  // float A only (16-bit A is widened before the launch)
     for (Family f : {Family::fma_dot, Family::fma_dot_gated})
       for (TileShape s : family_tiles(f, d, t)) variants.push_back(Variant{f, DType::float32, t, out, s});
+  if (fma_kn_takes(d, t))  // A of B's dtype, and float32 A for 16-bit B
+    for (DType a : t == DType::float32 ? std::vector<DType>{t} : std::vector<DType>{t, DType::float32})
+      variants.push_back(Variant{Family::fma_kn, a, t, out, family_tiles(Family::fma_kn, d, t)[0]});
   return variants;
 }
 
@@ -803,13 +817,19 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const bool use_dot = !use_matrix && args.engine == 0 && d.bf16_dot && args.dtype == DType::bfloat16 &&
                        args.a_dtype == DType::bfloat16 && rows_per_group > 2.0 && args.tile_m == 0 &&
                        args.tile_n == 0 && (k_lanes || (!gated && args.N % kNDotCols == 0));
-  // B contiguous along K on an AVX2 CPU: the FMA dot-product kernels, on float A (16-bit A gets
-  // there widened: the plan for it widens A, and the float A plan lands here). Tile overrides
-  // address the vector kernels.
-  const bool fma_candidate = !use_matrix && !use_dot && args.engine == 0 && fma_takes(d, args.dtype) && k_lanes &&
-                             args.tile_m == 0 && args.tile_n == 0;
-  const bool use_fma = fma_candidate && args.a_dtype == DType::float32;
-  const Family family = use_fma             ? (gated ? Family::fma_dot_gated : Family::fma_dot)
+  // B contiguous along K on an AVX2 or AVX-512 CPU: the FMA dot-product kernels, on float A (16-bit
+  // A gets there widened: the plan for it widens A, and the float A plan lands here). B contiguous
+  // along N on AVX2: their N-contiguous tile (on A of B's dtype as well, widened in its k loop),
+  // not gated, in whole 16-column tiles, where groups average more than 2 rows (with fewer the
+  // vector kernel's streaming decode tile reads B rows whole). Tile overrides address the vector
+  // kernels.
+  const bool fma_kn = !k_lanes && !gated && args.N % kNFmaCols == 0 && rows_per_group > 2.0 &&
+                      fma_kn_takes(d, args.dtype);
+  const bool fma_candidate = !use_matrix && !use_dot && args.engine == 0 && fma_takes(d, args.dtype) &&
+                             (k_lanes || fma_kn) && args.tile_m == 0 && args.tile_n == 0;
+  const bool use_fma = fma_candidate && (args.a_dtype == DType::float32 || (fma_kn && args.a_dtype == args.dtype));
+  const Family family = use_fma && !k_lanes ? Family::fma_kn
+                        : use_fma           ? (gated ? Family::fma_dot_gated : Family::fma_dot)
                         : use_dot && !k_lanes ? Family::dot_kn
                         : use_dot           ? (gated ? Family::dot_gated : Family::dot)
                         : !use_matrix ? family_of(k_lanes, gated)
@@ -821,18 +841,20 @@ LaunchPlan plan_for(const GemmArgs& args, const DeviceDescription& d) {
   const std::int64_t lanes = use_matrix && k_lanes ? engine_tile(d).sub_group_size : kSubGroupSize;
   LaunchPlan plan;
   plan.sub_group_size = int(lanes);
-  const bool float_a_compiled = has_float_a_variant(family, args.dtype);
+  const bool float_a_compiled = fma_candidate || has_float_a_variant(family, args.dtype);
   if (args.a_dtype != args.dtype && (args.a_dtype != DType::float32 || !float_a_compiled))
     throw std::invalid_argument(
         "moe_xpu: A must have B's dtype, or be float32 with 16-bit B contiguous along K");
   plan.kernel_name = family_kernel_name(family, args.a_dtype, args.dtype, args.out_dtype, shape, d);
   plan.matrix_engine = use_matrix;
-  plan.widen_a = !use_matrix && args.a_dtype != DType::float32 && float_a_compiled && (shape.tile_m > 1 || fma_candidate);
+  plan.widen_a = !use_matrix && !(use_fma && !k_lanes) && args.a_dtype != DType::float32 && float_a_compiled &&
+                 (shape.tile_m > 1 || fma_candidate);
   plan.tile_m = shape.tile_m;
   if (use_matrix) plan.tile_n = !k_lanes ? int(kKnCols) : engine_tile(d).m * (gated ? 1 : 2);
   else plan.tile_n = k_lanes ? (gated ? shape.tile_n / 2 : shape.tile_n) : shape.tile_n * int(lanes);
   plan.scratch_bytes = use_matrix                ? matrix_scratch_bytes(args.K, !k_lanes)
                        : family == Family::dot_kn ? n_dot_scratch_bytes(args.K, args.b_stride_k * 2)
+                       : family == Family::fma_kn ? n_fma_scratch_bytes(args.K)
                                                   : 0;
   // CPU: one sub-group per work-group, 16 per core so the runtime's thread pool can balance (on
   // the decode case with its weights not in cache: 17.1 ms at 4 per core, 15.8 ms at 8-32 per

@@ -26,12 +26,13 @@ constexpr std::uint32_t kSubGroupSize = 16;
 // contiguous along N) with the same; dot_wgrad: the bf16 weight gradient with the same; quant_dot:
 // W8A8 with AVX512-VNNI; nibble_dot / nibble_dot_gated: 4-bit B (int4, MXFP4) with bf16 A on
 // AVX512-BF16 dot products; fp8_dot / fp8_dot_gated: fp8 e4m3 B with the same (CPU only, all in moe_gemm_dot.cpp);
-// fma_dot / fma_dot_gated: float32, bf16 or fp16 B contiguous along K with float A, on AVX2 FMA
-// assembly (CPU only, moe_gemm_fma.cpp).
+// fma_dot / fma_dot_gated: float32, bf16 or fp16 B contiguous along K with float A, on AVX2 or
+// AVX-512 FMA assembly; fma_kn: the same B types contiguous along N, on AVX2 (CPU only, both in
+// moe_gemm_fma.cpp).
 enum class Family { k_lanes, k_lanes_gated, n_lanes, matrix, matrix_gated, matrix_kn, wgrad, quant, quant_gated,
                     quant_matrix, dequant_matrix, dequant_matrix_gated, matrix_wgrad, dot, dot_gated, dot_kn,
                     dot_wgrad, quant_dot, nibble_dot, nibble_dot_gated, fp8_dot, fp8_dot_gated, fma_dot,
-                    fma_dot_gated };
+                    fma_dot_gated, fma_kn };
 
 // (tile_m, tile_n) of one kernel variant. tile_n is in units of columns per lane group (see
 // moe_gemm.cpp: k_lanes tiles are TN columns wide, n_lanes tiles are 16 * TN columns wide).
@@ -68,8 +69,10 @@ MatrixShape engine_tile(const DeviceDescription& d);
 bool has_matrix_engine(const DeviceDescription& d);
 // ... and it takes inputs of dtype t (bf16 everywhere; fp16 on XMX; int8 with int8 A: AMX-INT8, XMX).
 bool engine_takes(const DeviceDescription& d, DType t);
-// Whether the FMA dot-product kernels (moe_gemm_fma.cpp) take B of dtype t on d.
+// Whether the FMA dot-product kernels (moe_gemm_fma.cpp) take B of dtype t on d, and whether
+// their N-contiguous kernel does.
 bool fma_takes(const DeviceDescription& d, DType t);
+bool fma_kn_takes(const DeviceDescription& d, DType t);
 // The sub-group size a variant is written for (and required to compile with).
 int sub_group_size(const Variant& v, const DeviceDescription& d);
 // Every variant the launcher can pick on device d for one (B dtype, output dtype) pair: one

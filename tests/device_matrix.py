@@ -52,6 +52,7 @@ TEST_FILES = [
     "tests/test_gpu_variants.py",
     # the AVX2 FMA kernels, which an AVX-512 host runs only under core-avx2
     "tests/test_fma_dot.py",
+    "tests/test_fma_kn.py",
     # the quantized kernels: every format on the breaking shapes, and W8A8
     "tests/test_quant.py::test_formats_float32_on_breaking_shapes",
     "tests/test_quant.py::test_w8a8",

@@ -16,7 +16,7 @@ import torch
 
 import moe_xpu
 from moe_xpu import fused, ops
-from reference import assert_matches_reference
+from reference import assert_matches_reference, assert_non_finite_rows_propagate
 from test_fused_moe import check as check_fused
 from test_fused_moe import make_block
 from test_moe_gemm import ROUTINGS, offsets, route
@@ -174,13 +174,21 @@ def test_non_finite_inputs_propagate(fma):
     a = torch.randn(12, K, dtype=dtype)
     b = linear_weights(E, K, N, dtype)
     assert "k_fma" in plan(fma, a, b, offsets([6, 6]))[0].kernel_name
-    a[2, 40] = float("nan")
-    a[9, 5] = float("inf")
-    out = moe_xpu.moe_gemm(a, b, offsets([6, 6]))
-    assert out[2].isnan().all()
-    assert not out[9].isfinite().any()
-    rest = [r for r in range(12) if r not in (2, 9)]
-    assert out[rest].isfinite().all()
+    assert_non_finite_rows_propagate(moe_xpu.moe_gemm, a, b, offsets([6, 6]))
+
+
+def assert_bitwise_for_every_worker_count(C, a, b, offs, kernel: str):
+    """The launch on `kernel` gives bitwise the same output for 1, 3, 16 and the planned number of
+    workers (share boundaries mid-group and mid-unit), and it matches the reference."""
+    outs = []
+    for workers in (0, 1, 3, 16):
+        p, args, out, _a = plan(C, a, b, offs, num_workers=workers)
+        assert kernel in p.kernel_name
+        C.moe_gemm(args)
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert_matches_reference(outs[0], a, b, offs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,16 +197,7 @@ def test_bitwise_the_same_for_every_worker_count(fma, dtype):
     E, K, N = 6, 200, 50
     a = torch.randn(60, K, dtype=dtype)
     b = linear_weights(E, K, N, dtype)
-    offs = offsets([10, 3, 0, 25, 7, 15])
-    outs = []
-    for workers in (0, 1, 3, 16):
-        p, args, out, _a = plan(fma, a, b, offs, num_workers=workers)
-        assert "k_fma" in p.kernel_name
-        fma.moe_gemm(args)
-        outs.append(out)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-    assert_matches_reference(outs[0], a, b, offs)
+    assert_bitwise_for_every_worker_count(fma, a, b, offsets([10, 3, 0, 25, 7, 15]), "k_fma")
 
 
 def test_a_row_does_not_depend_on_its_tile(fma):

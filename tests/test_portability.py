@@ -46,24 +46,28 @@ def _source_without_requirement(C, kernel: str, file: str = "moe_gemm.cpp") -> s
 
 
 @pytest.mark.parametrize("kernel,layout", [("moe_gemm_k_lanes", "linear"), ("moe_gemm_n_lanes", "kn"),
-                                           ("moe_gemm_quant", "int8"), ("moe_gemm_k_fma", "fma")])
+                                           ("moe_gemm_quant", "int8"), ("moe_gemm_k_fma", "fma"),
+                                           ("moe_gemm_n_fma", "fma_kn")])
 def test_kernel_without_sub_group_requirement_is_refused(C, kernel, layout, tmp_path, monkeypatch):
     """Removing the requirement from one kernel makes every launch fail with a RuntimeError
     naming the device, the property and the fallback, on every CPU target (on AVX-512 targets
     the compiler happens to pick 16 anyway: the check does not rely on that). The quantized and
     the FMA kernels' sources are swapped through their own variables."""
-    if layout == "fma" and not C.device_description(0)["fma_dot"]:
+    if layout.startswith("fma") and not C.device_description(0)["fma_dot"]:
         pytest.skip(f"no FMA dot-product kernels here: {C.fma_dot_state()}")
+    if layout == "fma_kn" and C.device_description(0)["vector_width"] != 8:
+        pytest.skip("the N-contiguous FMA kernel is AVX2's")
     quant = layout == "int8"
-    file, variable = {"int8": ("moe_gemm_quant.cpp", "MOE_XPU_QUANT_KERNEL_SOURCE"),
-                      "fma": ("moe_gemm_fma.cpp", "MOE_XPU_FMA_KERNEL_SOURCE")}.get(
-                          layout, ("moe_gemm.cpp", "MOE_XPU_KERNEL_SOURCE"))
+    fma_source = ("moe_gemm_fma.cpp", "MOE_XPU_FMA_KERNEL_SOURCE")
+    file, variable = {"int8": ("moe_gemm_quant.cpp", "MOE_XPU_QUANT_KERNEL_SOURCE"), "fma": fma_source,
+                      "fma_kn": fma_source}.get(layout, ("moe_gemm.cpp", "MOE_XPU_KERNEL_SOURCE"))
     path = tmp_path / "unpinned.cpp"
     path.write_text(_source_without_requirement(C, kernel, file))
     monkeypatch.setenv(variable, str(path))
     monkeypatch.setattr(ops, "_PREPARED", type(ops._PREPARED)())  # prepared calls keep their kernel
     a = torch.randn(8, 32)
-    b = torch.randn(2, 32, 48) if layout == "kn" else torch.randn(2, 48, 32).transpose(1, 2)
+    # [E, K, N] weights: N = 40 for the vector kernel (the FMA kernel takes whole 16-column tiles).
+    b = {"kn": torch.randn(2, 32, 40), "fma_kn": torch.randn(2, 32, 48)}.get(layout, torch.randn(2, 48, 32).transpose(1, 2))
     if layout == "fma":  # bf16 B: the family's on AVX2 and AVX-512 alike
         a, b = a.bfloat16(), b.bfloat16()
     if quant:

@@ -1,7 +1,7 @@
 // moe_xpu's FMA dot-product kernel family for CPUs without a bf16 dot-product instruction or a
 // matrix engine for the call, for B contiguous along K (nn.Linear weights) with float32 A: x86
 // assembly on AVX2 (16 registers of 8 floats; float32, bf16 or fp16 B) and on AVX-512 (32 of 16;
-// bf16 or fp16 B).
+// bf16 or fp16 B); and on AVX2 for B contiguous along N ([E, K, N] weights), moe_gemm_n_fma below.
 //
 // On AVX2 a 16-lane sub-group vector takes two registers, so the vector K-split kernel
 // (moe_gemm.cpp: k_lanes) holds at most 3 x 2 (row, column) pairs and loads five vectors for every
@@ -273,6 +273,214 @@ void moe_gemm_k_fma(const float* a, int64_t a_row_stride, int64_t a_rows, const 
       });
 }
 
+// ---------------------------------------------------------------------------------------------
+// B contiguous along N ([E, K, N] weights, torch grouped_mm's layout) on AVX2: the outer-product
+// tile of a BLIS-style kernel, 6 rows x 16 columns. A k step loads B row k's 16 columns into
+// ymm12-13 (bf16 and fp16 widened there), broadcasts each row's A[i][k] into ymm14 and issues 12
+// FMAs into accumulators ymm(2 i), ymm(2 i + 1): 8 loads for 12 FMAs, no horizontal sums, each
+// output summed over k in a fixed order (bitwise reproducible; blocks of K, see kNFmaBlockK). The
+// vector N-split kernel's tile on AVX2 is the same shape as 16-lane vectors of two registers, and
+// ran at half of torch's grouped_mm on these weights (the runtime's vectorized loop around it).
+#define MOE_XPU_NFMA_B_FLOAT "vmovups (%[bp]), %%ymm12\n\t" "vmovups 32(%[bp]), %%ymm13\n\t"
+#define MOE_XPU_NFMA_B_BF16                                                    \
+  "vpmovzxwd (%[bp]), %%ymm12\n\t" "vpslld $16, %%ymm12, %%ymm12\n\t"           \
+  "vpmovzxwd 16(%[bp]), %%ymm13\n\t" "vpslld $16, %%ymm13, %%ymm13\n\t"
+#define MOE_XPU_NFMA_B_HALF "vcvtph2ps (%[bp]), %%ymm12\n\t" "vcvtph2ps 16(%[bp]), %%ymm13\n\t"
+// A k step's B from B's rows (the row kNFmaPrefetchRows ahead asked for first), optionally also
+// stored, widened, to the packed strip at pk; or from that strip.
+#define MOE_XPU_NFMA_READ(LOAD) "prefetcht0 (%[pp])\n\t" LOAD "add %[rb], %[bp]\n\t" "add %[rb], %[pp]\n\t"
+#define MOE_XPU_NFMA_SAVE(LOAD) \
+  MOE_XPU_NFMA_READ(LOAD) "vmovups %%ymm12, (%[pk])\n\t" "vmovups %%ymm13, 32(%[pk])\n\t" "add $64, %[pk]\n\t"
+#define MOE_XPU_NFMA_PACKED "vmovups (%[pk]), %%ymm12\n\t" "vmovups 32(%[pk]), %%ymm13\n\t" "add $64, %[pk]\n\t"
+// Row i's A[i][k] broadcast into ymm14 (float; bf16 and fp16 widened there) and its 2 FMAs.
+#define MOE_XPU_NFMA_FMAS(r0, r1) "vfmadd231ps %%ymm12, %%ymm14, %%ymm" #r0 "\n\t" "vfmadd231ps %%ymm13, %%ymm14, %%ymm" #r1 "\n\t"
+#define MOE_XPU_NFMA_ROW_FLOAT(i, r0, r1) "vbroadcastss (%[a" #i "],%[ko],4), %%ymm14\n\t" MOE_XPU_NFMA_FMAS(r0, r1)
+#define MOE_XPU_NFMA_ROW_BF16(i, r0, r1) \
+  "vpbroadcastw (%[a" #i "],%[ko],2), %%ymm14\n\t" "vpslld $16, %%ymm14, %%ymm14\n\t" MOE_XPU_NFMA_FMAS(r0, r1)
+#define MOE_XPU_NFMA_ROW_HALF(i, r0, r1) \
+  "vpbroadcastw (%[a" #i "],%[ko],2), %%xmm14\n\t" "vcvtph2ps %%xmm14, %%ymm14\n\t" MOE_XPU_NFMA_FMAS(r0, r1)
+#define MOE_XPU_NFMA_ZERO(r0, r1) MOE_XPU_FMA_NZERO(r0) MOE_XPU_FMA_NZERO(r1)
+#define MOE_XPU_FMA_NZERO(r) "vxorps %%ymm" #r ", %%ymm" #r ", %%ymm" #r "\n\t"
+// Row i's accumulators added to its sums (a block of K's, see kNFmaBlockK).
+#define MOE_XPU_NFMA_ADD(at, r)                                                               \
+  "vaddps " at "(%[sums]), %%ymm" #r ", %%ymm" #r "\n\t" "vmovups %%ymm" #r ", " at "(%[sums])\n\t"
+#define MOE_XPU_NFMA_STORE(i, r0, r1) MOE_XPU_NFMA_ADD(#i "*64", r0) MOE_XPU_NFMA_ADD(#i "*64+32", r1)
+#define MOE_XPU_NFMA_CLEAR(i, r0, r1) "vmovups %%ymm0, " #i "*64(%[sums])\n\t" "vmovups %%ymm0, " #i "*64+32(%[sums])\n\t"
+// Rows 0 .. R - 1 of the tile: ROWS##R(M) applies M(i, r0, r1) to each.
+#define MOE_XPU_NFMA_ROWS1(M) M(0, 0, 1)
+#define MOE_XPU_NFMA_ROWS2(M) MOE_XPU_NFMA_ROWS1(M) M(1, 2, 3)
+#define MOE_XPU_NFMA_ROWS3(M) MOE_XPU_NFMA_ROWS2(M) M(2, 4, 5)
+#define MOE_XPU_NFMA_ROWS4(M) MOE_XPU_NFMA_ROWS3(M) M(3, 6, 7)
+#define MOE_XPU_NFMA_ROWS5(M) MOE_XPU_NFMA_ROWS4(M) M(4, 8, 9)
+#define MOE_XPU_NFMA_ROWS6(M) MOE_XPU_NFMA_ROWS5(M) M(5, 10, 11)
+#define MOE_XPU_NFMA_ZERO_ROW(i, r0, r1) MOE_XPU_NFMA_ZERO(r0, r1)
+// The tile's loop: sums cleared, then per block of k steps up to the next multiple of kNFmaBlockK
+// (ko, running from -K up to zero, a multiple of it) the accumulators zeroed, the block's steps,
+// and the accumulators added to the sums. (A block counter in a register of its own, a 13th
+// operand, made the whole kernel about 20% slower at K = 128.)
+#define MOE_XPU_NFMA_LOOP(R, STEP, ROW)                                                                         \
+  asm volatile("vxorps %%ymm0, %%ymm0, %%ymm0\n\t" MOE_XPU_NFMA_ROWS6(MOE_XPU_NFMA_CLEAR) "1:\n\t"            \
+               MOE_XPU_NFMA_ROWS##R(MOE_XPU_NFMA_ZERO_ROW) "2:\n\t" STEP MOE_XPU_NFMA_ROWS##R(ROW)              \
+               "add $1, %[ko]\n\t" "test %[mask], %[ko]\n\t" "jnz 2b\n\t" MOE_XPU_NFMA_ROWS##R(MOE_XPU_NFMA_STORE) \
+               "test %[ko], %[ko]\n\t" "jnz 1b\n\t"                                                          \
+               : [ko] "+r"(ko), [bp] "+r"(bp), [pk] "+r"(pk), [pp] "+r"(pp)                                     \
+               : [a0] "r"(a_end[0]), [a1] "r"(a_end[1]), [a2] "r"(a_end[2]), [a3] "r"(a_end[3]),                \
+                 [a4] "r"(a_end[4]), [a5] "r"(a_end[5]), [rb] "r"(b_row_bytes), [sums] "r"(sums),               \
+                 [mask] "i"(kNFmaBlockK - 1)                                                                    \
+               : "memory", "cc", "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", \
+                 "ymm10", "ymm11", "ymm12", "ymm13", "ymm14")
+#define MOE_XPU_NFMA_LOOPS(STEP, ROW)                                                             \
+  if constexpr (R == 1) MOE_XPU_NFMA_LOOP(1, STEP, ROW);                                           \
+  else if constexpr (R == 2) MOE_XPU_NFMA_LOOP(2, STEP, ROW);                                      \
+  else if constexpr (R == 3) MOE_XPU_NFMA_LOOP(3, STEP, ROW);                                      \
+  else if constexpr (R == 4) MOE_XPU_NFMA_LOOP(4, STEP, ROW);                                      \
+  else if constexpr (R == 5) MOE_XPU_NFMA_LOOP(5, STEP, ROW);                                      \
+  else MOE_XPU_NFMA_LOOP(6, STEP, ROW);
+#define MOE_XPU_NFMA_FROM(LOAD, ROW)                                            \
+  if constexpr (From == NFmaB::read) {                                          \
+    MOE_XPU_NFMA_LOOPS(MOE_XPU_NFMA_READ(LOAD), ROW)                             \
+  } else if constexpr (From == NFmaB::save) {                                   \
+    MOE_XPU_NFMA_LOOPS(MOE_XPU_NFMA_SAVE(LOAD), ROW)                             \
+  } else {                                                                      \
+    MOE_XPU_NFMA_LOOPS(MOE_XPU_NFMA_PACKED, ROW)                                 \
+  }
+#define MOE_XPU_NFMA_FOR_A(LOAD)                                                \
+  if constexpr (std::is_same_v<TA, float>) {                                    \
+    MOE_XPU_NFMA_FROM(LOAD, MOE_XPU_NFMA_ROW_FLOAT)                              \
+  } else if constexpr (std::is_same_v<TA, uint16_t>) {                          \
+    MOE_XPU_NFMA_FROM(LOAD, MOE_XPU_NFMA_ROW_BF16)                               \
+  } else {                                                                      \
+    MOE_XPU_NFMA_FROM(LOAD, MOE_XPU_NFMA_ROW_HALF)                               \
+  }
+
+// Where a tile's B comes from: B's rows (read), B's rows with the strip also stored to a packed
+// copy, K x 16 floats (save), or that copy (packed). A B strip is 64 bytes (float) or 32 (16-bit)
+// of each of K rows N elements apart: at N = 1024 floats the rows are 4 KB apart, so a strip
+// falls into 16 of the L2's sets and into one of the L1's, and the unit's later row tiles would
+// re-read it from L3; the packed copy is one contiguous run the prefetchers follow.
+enum class NFmaB { read, save, packed };
+// The k loop runs in blocks of kNFmaBlockK, each block's sums added to the tile's: one running sum
+// over all of K loses accuracy as K grows (K = 1031: 4x the error of torch's float32 GEMM, which
+// blocks its sums), and the blocks cost one add and store per accumulator each.
+constexpr int64_t kNFmaBlockK = 256;
+static_assert((kNFmaBlockK & (kNFmaBlockK - 1)) == 0, "a power of two: the loop tests ko's low bits");
+// Rows of B ahead that a tile reading B's rows asks for (each row is a page of its own from
+// N = 1024 floats on, where the hardware prefetchers stop).
+constexpr int64_t kNFmaPrefetchRows = 24;
+
+// The tile's first R rows (1..6) over k in [0, K), K > 0: A rows (float, or B's 16-bit type) end
+// at a_end[i] (K elements past their start), B row 0 of the tile at b0 (its column n0), rows
+// b_row_bytes apart, the packed strip at `packed` (K x 64 bytes; unused by read); sums[i * 16 + c].
+template <int R, NFmaB From, typename TA, typename T>
+inline void n_fma_tile_sums(float* sums, const TA* const (&a_end)[kNFmaRows], const T* b0, int64_t b_row_bytes,
+                            int64_t K, float* packed) {
+  static_assert(R >= 1 && R <= kNFmaRows, "the assembly is written for 1 to 6 rows");
+  int64_t ko = -K;
+  const char* bp = reinterpret_cast<const char*>(b0);
+  const char* pp = bp + kNFmaPrefetchRows * b_row_bytes;
+  float* pk = packed;
+  if constexpr (std::is_same_v<T, float>) {
+    MOE_XPU_NFMA_FOR_A(MOE_XPU_NFMA_B_FLOAT)
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    MOE_XPU_NFMA_FOR_A(MOE_XPU_NFMA_B_BF16)
+  } else {
+    MOE_XPU_NFMA_FOR_A(MOE_XPU_NFMA_B_HALF)
+  }
+}
+
+// ... with R the tile's valid rows (a group's short last tile computes only its own rows).
+template <NFmaB From, typename TA, typename T>
+inline void n_fma_tile_sums_for(int64_t valid, float* sums, const TA* const (&a_end)[kNFmaRows], const T* b0,
+                                int64_t b_row_bytes, int64_t K, float* packed) {
+  if (valid <= 1) n_fma_tile_sums<1, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  else if (valid == 2) n_fma_tile_sums<2, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  else if (valid == 3) n_fma_tile_sums<3, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  else if (valid == 4) n_fma_tile_sums<4, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  else if (valid == 5) n_fma_tile_sums<5, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  else n_fma_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, K, packed);
+}
+
+#undef MOE_XPU_NFMA_FOR_A
+#undef MOE_XPU_NFMA_FROM
+#undef MOE_XPU_NFMA_LOOPS
+#undef MOE_XPU_NFMA_LOOP
+#undef MOE_XPU_NFMA_ZERO_ROW
+#undef MOE_XPU_NFMA_ROWS6
+#undef MOE_XPU_NFMA_ROWS5
+#undef MOE_XPU_NFMA_ROWS4
+#undef MOE_XPU_NFMA_ROWS3
+#undef MOE_XPU_NFMA_ROWS2
+#undef MOE_XPU_NFMA_ROWS1
+#undef MOE_XPU_NFMA_CLEAR
+#undef MOE_XPU_NFMA_STORE
+#undef MOE_XPU_NFMA_ADD
+#undef MOE_XPU_FMA_NZERO
+#undef MOE_XPU_NFMA_ZERO
+#undef MOE_XPU_NFMA_ROW_HALF
+#undef MOE_XPU_NFMA_ROW_BF16
+#undef MOE_XPU_NFMA_ROW_FLOAT
+#undef MOE_XPU_NFMA_FMAS
+#undef MOE_XPU_NFMA_PACKED
+#undef MOE_XPU_NFMA_SAVE
+#undef MOE_XPU_NFMA_READ
+#undef MOE_XPU_NFMA_B_HALF
+#undef MOE_XPU_NFMA_B_BF16
+#undef MOE_XPU_NFMA_B_FLOAT
+
+// The N-split GEMM on B contiguous along N (float32, bf16 or fp16; b_stride_k: B's stride between
+// rows of K) and A of B's dtype or float32, the parameters of moe_gemm_n_lanes (not gated). N a
+// multiple of kNFmaCols (the launcher checks). 16-bit A is widened in the k loop, one extra
+// instruction a row (widening it before the launch, as the K-contiguous kernels do, cost more
+// than the kernel at small shapes: a torch op and a pass over A). Lane 0 runs the assembly per
+// 6-row tile; lane l then finishes column l of the tile's rows (the bias, the row weight, the store).
+template <typename TA, typename T, typename TOut>
+MOE_XPU_KERNEL
+void moe_gemm_n_fma(const TA* a, int64_t a_row_stride, int64_t a_rows, const void* gather_index,
+                    int gather_is64, const T* b, int64_t b_stride_e, int64_t b_stride_k, const T* bias,
+                    int64_t bias_stride_e, TOut* out, int64_t out_row_stride, int64_t out_rows,
+                    const void* group_offsets, int offsets_is64, int64_t num_groups, int64_t K, int64_t N, int,
+                    int64_t, const void* scatter_index, int scatter_is64, const float* row_weight, void* scratch) {
+  constexpr int TM = kNFmaRows, TN = kNFmaCols;
+  static_assert(TN == kLanes, "lane l finishes column l");
+  const Worker w = this_worker();
+  float* tile_sums = local_floats<kNFmaSums>();
+  const int64_t rb = b_stride_k * int64_t(sizeof(T));
+  float* packed = reinterpret_cast<float*>(static_cast<char*>(scratch) + w.id * n_fma_scratch_bytes(K));
+  for_each_owned_unit(
+      w.id, w.count, group_offsets, offsets_is64, num_groups, out_rows, TM, kUnitRows / TM, N / TN,
+      unit_cost<T, TM, TN / kLanes>(),
+      [&](int64_t g, int64_t row_begin, int64_t rows, int64_t m_first, int64_t m_last, int64_t n_tile) {
+        const int64_t n0 = n_tile * TN;
+        const T* b_tile = b + g * b_stride_e + n0;
+        for (int64_t m_tile = m_first; m_tile < m_last; ++m_tile) {
+          const int64_t m0 = row_begin + m_tile * TM;
+          const int64_t valid = tile_valid_rows(rows, m_tile, TM);
+          auto a_row = [&](int i) {
+            return tile_a_row(a, a_row_stride, a_rows, gather_index, gather_is64, m0, valid, i);
+          };
+          if (g < num_groups && K > 0) {
+            const TA* a_end[TM];
+            for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + K;
+            if (w.lane == 0) {  // a unit of several tiles: the first packs its B strip, the others read that
+              if (m_last - m_first == 1) n_fma_tile_sums_for<NFmaB::read>(valid, tile_sums, a_end, b_tile, rb, K, packed);
+              else if (m_tile == m_first) n_fma_tile_sums_for<NFmaB::save>(valid, tile_sums, a_end, b_tile, rb, K, packed);
+              else n_fma_tile_sums_for<NFmaB::packed>(valid, tile_sums, a_end, b_tile, rb, K, packed);
+            }
+            sycl::group_barrier(w.sg);
+          }
+          float add = 0.0f;
+          if (bias != nullptr && g < num_groups) add = to_float(bias[g * bias_stride_e + n0 + w.lane]);
+          for (int i = 0; i < TM; ++i)
+            if (i < valid) {
+              const float s = g < num_groups ? (K > 0 ? tile_sums[i * TN + w.lane] : 0.0f) + add : 0.0f;
+              const RowTarget t = row_target(scatter_index, scatter_is64, row_weight, m0 + i, out_rows);
+              out[t.row * out_row_stride + n0 + w.lane] = FromFloat<TOut>::convert(s * t.weight);
+            }
+          sycl::group_barrier(w.sg);  // the sums are read before the next tile overwrites them
+        }
+      });
+}
+
 }  // namespace moe_xpu
 
 #ifdef MOE_XPU_FMA_PROBE
@@ -363,6 +571,66 @@ void moe_xpu_fma_row_probe(const float* a, const float* b, float* out, int64_t k
   }
 }
 
+#if MOE_XPU_FMA_PROBE == 8
+// The N-contiguous tile (AVX2 only) for 1 .. 6 rows of A (6 x k floats) against B rows of 16
+// columns of each B type (k x 16 floats, then k x 16 bf16, then k x 16 fp16):
+// out[t 6 96 + (r - 1) 96 + 16 i + c]. (16-bit A: the next probe kernel; one kernel for both read
+// zeros where the tile's sums should have been, on this runtime's 8-float target.)
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_n_fma_probe(const float* a, const float* b, float* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* sums = local_floats<kNFmaSums>();
+  const float* a_end[kNFmaRows];
+  for (int i = 0; i < kNFmaRows; ++i) a_end[i] = a + i * k + k;
+  const uint16_t* bb = reinterpret_cast<const uint16_t*>(b + kNFmaCols * k);
+  const sycl::half* bh = reinterpret_cast<const sycl::half*>(bb + kNFmaCols * k);
+  for (int t = 0; t < 3; ++t)
+    for (int r = 1; r <= kNFmaRows; ++r) {
+      if (w.lane == 0) {
+        for (int o = 0; o < kNFmaSums; ++o) sums[o] = 0.0f;
+        if (t == 0) n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, b, kNFmaCols * 4, k, nullptr);
+        else if (t == 1) n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bb, kNFmaCols * 2, k, nullptr);
+        else n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bh, kNFmaCols * 2, k, nullptr);
+      }
+      sycl::group_barrier(w.sg);
+      for (int i = 0; i < kNFmaRows; ++i)
+        out[(t * kNFmaRows + r - 1) * kNFmaSums + i * kNFmaCols + w.lane] = sums[i * kNFmaCols + w.lane];
+      sycl::group_barrier(w.sg);
+    }
+}
+
+// ... for 16-bit A: a holds the 6 x k A rows in bf16, then in fp16; bf16 A against bf16 B, fp16 A
+// against fp16 B (B as above), out[t 6 96 + (r - 1) 96 + 16 i + c] for t = 0, 1.
+extern "C" MOE_XPU_KERNEL_WITH_LANES(moe_xpu::kLanes)
+void moe_xpu_n_fma_a16_probe(const float* a, const float* b, float* out, int64_t k) {
+  using namespace moe_xpu;
+  const Worker w = this_worker();
+  float* sums = local_floats<kNFmaSums>();
+  const uint16_t* ab = reinterpret_cast<const uint16_t*>(a);
+  const sycl::half* ah = reinterpret_cast<const sycl::half*>(ab + kNFmaRows * k);
+  const uint16_t* bb = reinterpret_cast<const uint16_t*>(b + kNFmaCols * k);
+  const sycl::half* bh = reinterpret_cast<const sycl::half*>(bb + kNFmaCols * k);
+  for (int t = 0; t < 2; ++t)
+    for (int r = 1; r <= kNFmaRows; ++r) {
+      if (w.lane == 0) {
+        for (int o = 0; o < kNFmaSums; ++o) sums[o] = 0.0f;
+        if (t == 0) {
+          const uint16_t* a_end[kNFmaRows] = {ab + k, ab + 2 * k, ab + 3 * k, ab + 4 * k, ab + 5 * k, ab + 6 * k};
+          n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bb, kNFmaCols * 2, k, nullptr);
+        } else {
+          const sycl::half* a_end[kNFmaRows] = {ah + k, ah + 2 * k, ah + 3 * k, ah + 4 * k, ah + 5 * k, ah + 6 * k};
+          n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bh, kNFmaCols * 2, k, nullptr);
+        }
+      }
+      sycl::group_barrier(w.sg);
+      for (int i = 0; i < kNFmaRows; ++i)
+        out[(t * kNFmaRows + r - 1) * kNFmaSums + i * kNFmaCols + w.lane] = sums[i * kNFmaCols + w.lane];
+      sycl::group_barrier(w.sg);
+    }
+}
+#endif
+
 #undef MOE_XPU_FMA_PROBE_ROW
 #undef MOE_XPU_FMA_PROBE_TILE
 #undef MOE_XPU_FMA_PROBE_ENDS
@@ -372,3 +640,5 @@ void moe_xpu_fma_row_probe(const float* a, const float* b, float* out, int64_t k
 // MOE_XPU_INSTANTIATE_K_FMA(float, float, 3, 4, false, 8) for "moe_xpu::moe_gemm_k_fma<float, float, 3, 4, false, 8>".
 #define MOE_XPU_INSTANTIATE_K_FMA(T, TOut, TM, TN, GATED, W) \
   template void moe_xpu::moe_gemm_k_fma<T, TOut, TM, TN, GATED, W>(MOE_XPU_KERNEL_PARAMS(float, T, TOut));
+#define MOE_XPU_INSTANTIATE_N_FMA(TA, T, TOut) \
+  template void moe_xpu::moe_gemm_n_fma<TA, T, TOut>(MOE_XPU_KERNEL_PARAMS(TA, T, TOut), void*);

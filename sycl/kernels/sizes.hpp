@@ -34,6 +34,13 @@ constexpr std::int64_t kFmaSums = 16;
 constexpr int fma_rows(int width) { return width == 16 ? kDotRows : kFmaRows; }
 constexpr int fma_cols(int width) { return width == 16 ? kDotCols : kFmaCols; }
 constexpr std::int64_t fma_sums_floats(int width) { return width == 16 ? kDotSums : kFmaSums; }
+// The N-contiguous FMA kernel's tile (moe_gemm_n_fma, AVX2): 6 rows x 16 columns, 12 accumulators of
+// the 16 ymm registers, its sums stored for the epilogue.
+constexpr int kNFmaRows = 6;
+constexpr int kNFmaCols = 16;
+constexpr std::int64_t kNFmaSums = kNFmaRows * kNFmaCols;
+// A worker's scratch there: the packed copy of a unit's B strip, K rows of 16 floats.
+inline std::int64_t n_fma_scratch_bytes(std::int64_t K) { return (K > 0 ? K : 1) * kNFmaCols * 4; }
 // The 4-bit dot-product kernel's tile (moe_gemm_nibble_dot): 4 rows x 4 columns, half a chunk of
 // the packed layout; kNibbleLocal floats of work-group local memory (its constants, sums and row
 // count). The fp8 kernel's tile is the same.
