@@ -42,16 +42,27 @@ def tile(C) -> tuple[int, int]:
     return (3, 4) if width(C) == 8 else (4, 6)
 
 
+def bf16_dot(C) -> bool:
+    """Whether bf16 weights run on the bf16 dot-product kernels here (AVX512-BF16) instead."""
+    return bool(C.device_description(0)["bf16_dot"])
+
+
 def own_dtype(C):
-    """A weight dtype the family takes at this width (float32 on AVX2, bf16 on AVX-512)."""
-    return torch.float32 if width(C) == 8 else torch.bfloat16
+    """A weight dtype the family takes at this width: float32 on AVX2; on AVX-512 bf16, or fp16
+    where the CPU has AVX512-BF16 (bf16 then runs on the dot-product kernels)."""
+    if width(C) == 8:
+        return torch.float32
+    return torch.float16 if bf16_dot(C) else torch.bfloat16
 
 
 def takes(C, dtype):
-    """Skips unless the family takes weights of dtype here (AVX-512: 16-bit ones only; float32
-    weights stay on the vector kernels, whose k loop is the same there)."""
+    """Skips unless the family takes weights of dtype here (AVX-512: 16-bit ones only, float32
+    weights staying on the vector kernels, whose k loop is the same there; bf16 not where the
+    bf16 dot-product kernels take it)."""
     if width(C) == 16 and dtype == torch.float32:
         pytest.skip("float32 weights run on the vector kernels on AVX-512")
+    if dtype == torch.bfloat16 and bf16_dot(C):
+        pytest.skip("bf16 weights run on the bf16 dot-product kernels on this CPU")
 
 
 def linear_weights(E, K, N, dtype=torch.float32):
@@ -86,7 +97,7 @@ def test_plan_picks_the_fma_kernels_for_groups_of_several_rows(fma, dtype):
     E, K, N = 8, 256, 90
     b = linear_weights(E, K, N, dtype)
     many = torch.randn(8 * E, K, dtype=dtype)
-    if width(fma) == 16 and dtype == torch.float32:
+    if (width(fma) == 16 and dtype == torch.float32) or (dtype == torch.bfloat16 and bf16_dot(fma)):
         assert "k_fma" not in plan(fma, many, b, offsets([8] * E))[0].kernel_name
         return
     rows, cols = tile(fma)
@@ -124,7 +135,7 @@ def test_matches_reference(fma, dtype, K, N, routing, T):
 
 @pytest.mark.parametrize("K", [3, 7, 15])
 def test_k_below_one_step_is_the_remainder_alone(fma, K):
-    dtype = torch.float32 if width(fma) == 8 else torch.bfloat16
+    dtype = own_dtype(fma)
     a = torch.randn(12, K, dtype=dtype)
     b = linear_weights(2, K, 9, dtype)
     offs = offsets([5, 7])

@@ -885,11 +885,8 @@ inline void fp8_tile_sums(float* local, const uint16_t* const (&a_end)[4], const
 #undef MOE_XPU_FP8_TILE
 #undef MOE_XPU_NIB_IF_ROW
 #undef MOE_XPU_NIB_ROW_COUNT_AT
-#undef MOE_XPU_DOT_IF_ROW
-#undef MOE_XPU_DOT_ROW_COUNT_AT
-#undef MOE_XPU_DOT_SUM
-#undef MOE_XPU_DOT_ZERO_TILE
-#undef MOE_XPU_DOT_TILE_SUMS
+// (The MOE_XPU_DOT_ macros of assembly_tile.hpp stay defined: that header is included once per
+// bundle, and moe_gemm_fma.cpp, compiled after this file where a bundle takes both, uses them.)
 
 // The fp8 kernel's constants (see above), written by the sub-group's lanes.
 inline void fp8_constants(float* local, int lane) {
