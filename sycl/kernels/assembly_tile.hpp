@@ -62,10 +62,18 @@ static_assert(kDotRowCount < kDotSums && kDotRowCount * 4 == 96, "the row count'
   "vaddss %%xmm29, %%xmm" #r ", %%xmm" #r "\n\t"                \
   "vmovss %%xmm" #r ", " #r "*4(%[sums])\n\t"
 
-// The body of such a kernel (the vector kernels' parameters, moe_gemm.cpp: MOE_XPU_KERNEL_PARAMS).
-// The runtime vectorizes the kernel across the sub-group's work-items and runs each active
-// work-item's copy of inline assembly in turn, so only lane 0 runs it: tile(valid, a_end, b_end,
-// k_full, next) leaves the sums of the tile's `valid` rows over k in [0, k_full) (k_full a positive
+// kernel_leader_runs: how a kernel has lane 0 alone run inline assembly. The runtime vectorizes a
+// kernel across the sub-group's work-items and runs each active work-item's copy of inline assembly
+// in turn, behind a test of that lane's mask bit. Inside a region only lane 0 enters, every branch
+// is linearized, even one on values the whole sub-group shares: each assembly body there gets its
+// own 16 mask tests, run whichever body the values pick (a 6-row tile with 18 bodies by row count and
+// B source spent about 1000 cycles a call on them, as long as its k loop at K = 128). So the
+// branches that pick a body come first, taken by the whole sub-group, and only the call itself
+// tests lane 0.
+//
+// The body of such a kernel (the vector kernels' parameters, moe_gemm.cpp: MOE_XPU_KERNEL_PARAMS),
+// lane 0 running the assembly: tile(lead, valid, a_end, b_end, k_full, next), called by every lane
+// with lead true in lane 0 alone, leaves the sums of the tile's `valid` rows over k in [0, k_full) (k_full a positive
 // multiple of Step) in tile_sums[i * TN + j], work-group local memory (one sub-group per
 // work-group), where every lane reads them. (With every work-item a worker, the 16 work-items'
 // tiles ran interleaved, each with its own B slice and A rows; with lane 0 alone doing all the
@@ -109,7 +117,7 @@ inline void assembly_k_split(const TA* a, int64_t a_row_stride, int64_t a_rows, 
             for (int j = 0; j < TN; ++j) b_end[j] = b_col[j] + k_full;
             const T* next = Gated && (m_tile - m_first) % 2 == 1 ? b_col[TN / 2] + (TN / 2) * b_stride_n
                                                                  : b_col[0] + (Gated ? TN / 2 : TN) * b_stride_n;
-            if (w.lane == 0) tile(valid, a_end, b_end, k_full, next);
+            tile(w.lane == 0, valid, a_end, b_end, k_full, next);
             sycl::group_barrier(w.sg);
           }
           // Lane l finishes output elements l, l + 16, ... (row i, column j; gated: the gate sum

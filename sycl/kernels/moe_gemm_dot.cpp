@@ -178,10 +178,12 @@ void moe_gemm_k_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
       a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_n, bias, bias_stride_e, out,
       out_row_stride, out_rows, group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
       scatter_index, scatter_is64, row_weight, tile_sums,
-      [&](int64_t valid, const uint16_t* const (&a_end)[TM], const uint16_t* const (&b_end)[TN], int64_t k_full,
-          const uint16_t* next) {
-        reinterpret_cast<int32_t*>(tile_sums)[kDotRowCount] = int32_t(valid);
-        dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
+      [&](bool lead, int64_t valid, const uint16_t* const (&a_end)[TM], const uint16_t* const (&b_end)[TN],
+          int64_t k_full, const uint16_t* next) {
+        if (lead) {
+          reinterpret_cast<int32_t*>(tile_sums)[kDotRowCount] = int32_t(valid);
+          dot_tile_sums(tile_sums, a_end, b_end, k_full, next);
+        }
       });
 }
 
@@ -387,11 +389,16 @@ inline void n_dot_tile_sums(float* sums, const uint16_t* const (&a_end)[kNDotRow
 
 // One tile's sums with B read as `From` says, R chosen by the tile's valid rows.
 template <NDotB From>
-inline void n_dot_tile_sums_for(int64_t valid, float* sums, const uint16_t* const (&a_end)[kNDotRows],
+inline void n_dot_tile_sums_for(bool run, int64_t valid, float* sums, const uint16_t* const (&a_end)[kNDotRows],
                                 const uint16_t* b0, int64_t b_row_bytes, int64_t k_pairs, void* packed) {
-  if (valid <= 2) n_dot_tile_sums<2, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
-  else if (valid <= 4) n_dot_tile_sums<4, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
-  else n_dot_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
+  // Lane 0 (`run`) under branches the whole sub-group takes (kernel_leader_runs, assembly_tile.hpp).
+  if (valid <= 2) {
+    if (run) n_dot_tile_sums<2, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
+  } else if (valid <= 4) {
+    if (run) n_dot_tile_sums<4, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
+  } else if (run) {
+    n_dot_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, k_pairs, packed);
+  }
 }
 
 // The weight gradient's bf16 store, straight from the accumulators: row i's two 32-column halves
@@ -502,14 +509,14 @@ void moe_gemm_n_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, con
           if (g < num_groups && k_pairs > 0) {
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + 2 * k_pairs;
-            if (w.lane == 0) {  // a unit of several tiles: the first packs B, the others read that
-              if (packed == nullptr || m_last - m_first == 1)
-                n_dot_tile_sums_for<NDotB::read>(valid, tile_sums, a_end, b_tile, rb, k_pairs, nullptr);
-              else if (m_tile == m_first)
-                n_dot_tile_sums_for<NDotB::save>(valid, tile_sums, a_end, b_tile, rb, k_pairs, packed);
-              else
-                n_dot_tile_sums_for<NDotB::packed>(valid, tile_sums, a_end, b_tile, rb, k_pairs, packed);
-            }
+            // A unit of several tiles: the first packs B, the others read that.
+            const bool lead = w.lane == 0;
+            if (packed == nullptr || m_last - m_first == 1)
+              n_dot_tile_sums_for<NDotB::read>(lead, valid, tile_sums, a_end, b_tile, rb, k_pairs, nullptr);
+            else if (m_tile == m_first)
+              n_dot_tile_sums_for<NDotB::save>(lead, valid, tile_sums, a_end, b_tile, rb, k_pairs, packed);
+            else
+              n_dot_tile_sums_for<NDotB::packed>(lead, valid, tile_sums, a_end, b_tile, rb, k_pairs, packed);
             sycl::group_barrier(w.sg);
           }
           #pragma unroll
@@ -601,17 +608,16 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
               sycl::group_barrier(w.sg);
             }
             TOut* row0 = out_g + k0 * out_stride_k + n0;
-            if (w.lane == 0) {
-              if (odd) n_dot_tile_store_bf16<true>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
-              else n_dot_tile_store_bf16<false>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
+            if (odd) {
+              if (w.lane == 0) n_dot_tile_store_bf16<true>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
+            } else if (w.lane == 0) {
+              n_dot_tile_store_bf16<false>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
             }
             sycl::group_barrier(w.sg);  // the sums area is read before the next unit writes it
             continue;
           }
         }
-        if (w.lane == 0) {
-          n_dot_tile_sums_for<NDotB::read>(valid, sums, a_end, b_tile, dy_row_stride * 2, pairs, nullptr);
-        }
+        n_dot_tile_sums_for<NDotB::read>(w.lane == 0, valid, sums, a_end, b_tile, dy_row_stride * 2, pairs, nullptr);
         sycl::group_barrier(w.sg);
       }
       for (int i = 0; i < valid; ++i) {  // consecutive lanes, consecutive columns: whole-vector stores
@@ -1006,12 +1012,16 @@ void moe_gemm_nibble_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
             const char* b_end = reinterpret_cast<const char*>(pair_words[0] + blocks * kPackedBlockWords);
             const char* bu_end = reinterpret_cast<const char*>(pair_words[1] + blocks * kPackedBlockWords);
-            if (w.lane == 0) {
-              reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = int32_t(valid);
-              if (e8m0) nibble_tile_sums<4, true>(local, a_end, b_end, bu_end, blocks, s_col);
-              else if (scale_block_k >= kPackedK) nibble_tile_sums<1, false>(local, a_end, b_end, bu_end, blocks, s_col);
-              else if (scale_block_k == 64) nibble_tile_sums<2, false>(local, a_end, b_end, bu_end, blocks, s_col);
-              else nibble_tile_sums<4, false>(local, a_end, b_end, bu_end, blocks, s_col);
+            const bool lead = w.lane == 0;  // under branches the whole sub-group takes (kernel_leader_runs)
+            if (lead) reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = int32_t(valid);
+            if (e8m0) {
+              if (lead) nibble_tile_sums<4, true>(local, a_end, b_end, bu_end, blocks, s_col);
+            } else if (scale_block_k >= kPackedK) {
+              if (lead) nibble_tile_sums<1, false>(local, a_end, b_end, bu_end, blocks, s_col);
+            } else if (scale_block_k == 64) {
+              if (lead) nibble_tile_sums<2, false>(local, a_end, b_end, bu_end, blocks, s_col);
+            } else if (lead) {
+              nibble_tile_sums<4, false>(local, a_end, b_end, bu_end, blocks, s_col);
             }
             sycl::group_barrier(w.sg);
           }
@@ -1088,10 +1098,12 @@ void moe_gemm_fp8_dot(const uint16_t* a, int64_t a_row_stride, int64_t a_rows, c
           if (g < num_groups && blocks > 0) {
             const uint16_t* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + k_blocks;
-            if (w.lane == 0) {
-              reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = int32_t(valid);
-              if (per_channel) fp8_tile_sums<false>(local, a_end, b_col, blocks, scale_row, scale_row_up);
-              else fp8_tile_sums<true>(local, a_end, b_col, blocks, scale_row, scale_row_up);
+            const bool lead = w.lane == 0;  // under branches the whole sub-group takes (kernel_leader_runs)
+            if (lead) reinterpret_cast<int32_t*>(local)[kNibbleRowCount] = int32_t(valid);
+            if (per_channel) {
+              if (lead) fp8_tile_sums<false>(local, a_end, b_col, blocks, scale_row, scale_row_up);
+            } else if (lead) {
+              fp8_tile_sums<true>(local, a_end, b_col, blocks, scale_row, scale_row_up);
             }
             sycl::group_barrier(w.sg);
           }

@@ -81,13 +81,19 @@ namespace moe_xpu {
                  "ymm10", "ymm11", "ymm12", "ymm13", "ymm14", "ymm15")
 #define MOE_XPU_FMA_AHEAD1 "prefetcht1 (%[pn])\n\t" "add $64, %[pn]\n\t"
 #define MOE_XPU_FMA_AHEAD2 MOE_XPU_FMA_AHEAD1 MOE_XPU_FMA_AHEAD1
-#define MOE_XPU_FMA_TILES(LOAD, PREFETCH) \
-  if (rows == 1) MOE_XPU_FMA_TILE(1, LOAD, PREFETCH); \
-  else if (rows == 2) MOE_XPU_FMA_TILE(2, LOAD, PREFETCH); \
-  else MOE_XPU_FMA_TILE(3, LOAD, PREFETCH);
+// The row-count branch on the whole sub-group, `run` (lane 0) inside it: see kernel_leader_runs
+// in assembly_tile.hpp.
+#define MOE_XPU_FMA_TILES(LOAD, PREFETCH)                  \
+  if (rows == 1) {                                         \
+    if (run) MOE_XPU_FMA_TILE(1, LOAD, PREFETCH);          \
+  } else if (rows == 2) {                                  \
+    if (run) MOE_XPU_FMA_TILE(2, LOAD, PREFETCH);          \
+  } else if (run) {                                        \
+    MOE_XPU_FMA_TILE(3, LOAD, PREFETCH);                   \
+  }
 
 template <typename T>
-inline void fma_tile_sums(float* sums, int64_t rows, const float* const (&a_end)[kFmaRows],
+inline void fma_tile_sums(bool run, float* sums, int64_t rows, const float* const (&a_end)[kFmaRows],
                           const T* const (&b_end)[kFmaCols], int64_t k_full, const void* next) {
   int64_t ko = -2 * k_full;
   const char* pn = static_cast<const char*>(next);
@@ -264,12 +270,17 @@ void moe_gemm_k_fma(const float* a, int64_t a_row_stride, int64_t a_rows, const 
       a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_n, bias, bias_stride_e, out,
       out_row_stride, out_rows, group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
       scatter_index, scatter_is64, row_weight, tile_sums,
-      [&](int64_t valid, const float* const (&a_end)[TM], const T* const (&b_end)[TN], int64_t k_full,
+      [&](bool lead, int64_t valid, const float* const (&a_end)[TM], const T* const (&b_end)[TN], int64_t k_full,
           const T* next) {
-        if constexpr (W == 8 && TM == 1) fma_row_sums(tile_sums, a_end, b_end, k_full, next);
-        else if constexpr (W == 8) fma_tile_sums(tile_sums, valid, a_end, b_end, k_full, next);
-        else if constexpr (TM == 1) fma16_row_sums(tile_sums, a_end, b_end, k_full);
-        else fma16_tile_sums(tile_sums, valid, a_end, b_end, k_full);
+        if constexpr (W == 8 && TM == 1) {
+          if (lead) fma_row_sums(tile_sums, a_end, b_end, k_full, next);
+        } else if constexpr (W == 8) {
+          fma_tile_sums(lead, tile_sums, valid, a_end, b_end, k_full, next);
+        } else if constexpr (TM == 1) {
+          if (lead) fma16_row_sums(tile_sums, a_end, b_end, k_full);
+        } else if (lead) {
+          fma16_tile_sums(tile_sums, valid, a_end, b_end, k_full);
+        }
       });
 }
 
@@ -388,16 +399,24 @@ inline void n_fma_tile_sums(float* sums, const TA* const (&a_end)[kNFmaRows], co
   }
 }
 
-// ... with R the tile's valid rows (a group's short last tile computes only its own rows).
+// ... with R the tile's valid rows (a group's short last tile computes only its own rows), run by
+// lane 0 (`run`) under branches the whole sub-group takes (kernel_leader_runs, assembly_tile.hpp).
 template <NFmaB From, typename TA, typename T>
-inline void n_fma_tile_sums_for(int64_t valid, float* sums, const TA* const (&a_end)[kNFmaRows], const T* b0,
-                                int64_t b_row_bytes, int64_t K, float* packed) {
-  if (valid <= 1) n_fma_tile_sums<1, From>(sums, a_end, b0, b_row_bytes, K, packed);
-  else if (valid == 2) n_fma_tile_sums<2, From>(sums, a_end, b0, b_row_bytes, K, packed);
-  else if (valid == 3) n_fma_tile_sums<3, From>(sums, a_end, b0, b_row_bytes, K, packed);
-  else if (valid == 4) n_fma_tile_sums<4, From>(sums, a_end, b0, b_row_bytes, K, packed);
-  else if (valid == 5) n_fma_tile_sums<5, From>(sums, a_end, b0, b_row_bytes, K, packed);
-  else n_fma_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, K, packed);
+inline void n_fma_tile_sums_for(bool run, int64_t valid, float* sums, const TA* const (&a_end)[kNFmaRows],
+                                const T* b0, int64_t b_row_bytes, int64_t K, float* packed) {
+  if (valid <= 1) {
+    if (run) n_fma_tile_sums<1, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  } else if (valid == 2) {
+    if (run) n_fma_tile_sums<2, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  } else if (valid == 3) {
+    if (run) n_fma_tile_sums<3, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  } else if (valid == 4) {
+    if (run) n_fma_tile_sums<4, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  } else if (valid == 5) {
+    if (run) n_fma_tile_sums<5, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  } else if (run) {
+    n_fma_tile_sums<6, From>(sums, a_end, b0, b_row_bytes, K, packed);
+  }
 }
 
 #undef MOE_XPU_NFMA_FOR_A
@@ -461,11 +480,11 @@ void moe_gemm_n_fma(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
           if (g < num_groups && K > 0) {
             const TA* a_end[TM];
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + K;
-            if (w.lane == 0) {  // a unit of several tiles: the first packs its B strip, the others read that
-              if (m_last - m_first == 1) n_fma_tile_sums_for<NFmaB::read>(valid, tile_sums, a_end, b_tile, rb, K, packed);
-              else if (m_tile == m_first) n_fma_tile_sums_for<NFmaB::save>(valid, tile_sums, a_end, b_tile, rb, K, packed);
-              else n_fma_tile_sums_for<NFmaB::packed>(valid, tile_sums, a_end, b_tile, rb, K, packed);
-            }
+            // A unit of several tiles: the first packs its B strip, the others read that.
+            const bool lead = w.lane == 0;
+            if (m_last - m_first == 1) n_fma_tile_sums_for<NFmaB::read>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
+            else if (m_tile == m_first) n_fma_tile_sums_for<NFmaB::save>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
+            else n_fma_tile_sums_for<NFmaB::packed>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
             sycl::group_barrier(w.sg);
           }
           float add = 0.0f;
@@ -499,7 +518,7 @@ void moe_gemm_n_fma(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
 #if MOE_XPU_FMA_PROBE == 8
 #define MOE_XPU_FMA_PROBE_TILE(T, bt)                                                                     \
   const T* b_end[kFmaCols] = {bt + k, bt + 2 * k, bt + 3 * k, bt + 4 * k};                                \
-  fma_tile_sums(sums, r, a_end, b_end, k, bt);
+  fma_tile_sums(true, sums, r, a_end, b_end, k, bt);
 #define MOE_XPU_FMA_PROBE_ROW(T, bt)                                                                      \
   const T* b_end[kFmaRowCols] = MOE_XPU_FMA_PROBE_ENDS(bt);                                             \
   fma_row_sums(sums, a_end, b_end, k, bt);
@@ -589,9 +608,9 @@ void moe_xpu_n_fma_probe(const float* a, const float* b, float* out, int64_t k) 
     for (int r = 1; r <= kNFmaRows; ++r) {
       if (w.lane == 0) {
         for (int o = 0; o < kNFmaSums; ++o) sums[o] = 0.0f;
-        if (t == 0) n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, b, kNFmaCols * 4, k, nullptr);
-        else if (t == 1) n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bb, kNFmaCols * 2, k, nullptr);
-        else n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bh, kNFmaCols * 2, k, nullptr);
+        if (t == 0) n_fma_tile_sums_for<NFmaB::read>(true, r, sums, a_end, b, kNFmaCols * 4, k, nullptr);
+        else if (t == 1) n_fma_tile_sums_for<NFmaB::read>(true, r, sums, a_end, bb, kNFmaCols * 2, k, nullptr);
+        else n_fma_tile_sums_for<NFmaB::read>(true, r, sums, a_end, bh, kNFmaCols * 2, k, nullptr);
       }
       sycl::group_barrier(w.sg);
       for (int i = 0; i < kNFmaRows; ++i)
@@ -617,10 +636,10 @@ void moe_xpu_n_fma_a16_probe(const float* a, const float* b, float* out, int64_t
         for (int o = 0; o < kNFmaSums; ++o) sums[o] = 0.0f;
         if (t == 0) {
           const uint16_t* a_end[kNFmaRows] = {ab + k, ab + 2 * k, ab + 3 * k, ab + 4 * k, ab + 5 * k, ab + 6 * k};
-          n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bb, kNFmaCols * 2, k, nullptr);
+          n_fma_tile_sums_for<NFmaB::read>(true, r, sums, a_end, bb, kNFmaCols * 2, k, nullptr);
         } else {
           const sycl::half* a_end[kNFmaRows] = {ah + k, ah + 2 * k, ah + 3 * k, ah + 4 * k, ah + 5 * k, ah + 6 * k};
-          n_fma_tile_sums_for<NFmaB::read>(r, sums, a_end, bh, kNFmaCols * 2, k, nullptr);
+          n_fma_tile_sums_for<NFmaB::read>(true, r, sums, a_end, bh, kNFmaCols * 2, k, nullptr);
         }
       }
       sycl::group_barrier(w.sg);
