@@ -55,14 +55,21 @@ def own_dtype(C):
     return torch.float16 if bf16_dot(C) else torch.bfloat16
 
 
-def takes(C, dtype):
-    """Skips unless the family takes weights of dtype here (AVX-512: 16-bit ones only, float32
-    weights staying on the vector kernels, whose k loop is the same there; bf16 not where the
-    bf16 dot-product kernels take it)."""
+def elsewhere(C, dtype) -> str | None:
+    """Why weights of dtype do not run on the family here, or None where they do (AVX-512: 16-bit
+    ones only, float32 weights staying on the vector kernels, whose k loop is the same there; bf16
+    not where the bf16 dot-product kernels take it)."""
     if width(C) == 16 and dtype == torch.float32:
-        pytest.skip("float32 weights run on the vector kernels on AVX-512")
+        return "float32 weights run on the vector kernels on AVX-512"
     if dtype == torch.bfloat16 and bf16_dot(C):
-        pytest.skip("bf16 weights run on the bf16 dot-product kernels on this CPU")
+        return "bf16 weights run on the bf16 dot-product kernels on this CPU"
+    return None
+
+
+def takes(C, dtype):
+    """Skips unless the family takes weights of dtype here."""
+    if (why := elsewhere(C, dtype)) is not None:
+        pytest.skip(why)
 
 
 def linear_weights(E, K, N, dtype=torch.float32):
@@ -97,7 +104,7 @@ def test_plan_picks_the_fma_kernels_for_groups_of_several_rows(fma, dtype):
     E, K, N = 8, 256, 90
     b = linear_weights(E, K, N, dtype)
     many = torch.randn(8 * E, K, dtype=dtype)
-    if (width(fma) == 16 and dtype == torch.float32) or (dtype == torch.bfloat16 and bf16_dot(fma)):
+    if elsewhere(fma, dtype) is not None:
         assert "k_fma" not in plan(fma, many, b, offsets([8] * E))[0].kernel_name
         return
     rows, cols = tile(fma)

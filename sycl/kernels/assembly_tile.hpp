@@ -73,8 +73,8 @@ static_assert(kDotRowCount < kDotSums && kDotRowCount * 4 == 96, "the row count'
 //
 // The body of such a kernel (the vector kernels' parameters, moe_gemm.cpp: MOE_XPU_KERNEL_PARAMS),
 // lane 0 running the assembly: tile(lead, valid, a_end, b_end, k_full, next), called by every lane
-// with lead true in lane 0 alone, leaves the sums of the tile's `valid` rows over k in [0, k_full) (k_full a positive
-// multiple of Step) in tile_sums[i * TN + j], work-group local memory (one sub-group per
+// with lead true in lane 0 alone, leaves the sums of the tile's `valid` rows over k in
+// [0, k_full) (k_full a positive multiple of Step) in tile_sums[i * TN + j], work-group local memory (one sub-group per
 // work-group), where every lane reads them. (With every work-item a worker, the 16 work-items'
 // tiles ran interleaved, each with its own B slice and A rows; with lane 0 alone doing all the
 // work, the rest of the kernel ran as 16-lane code with one lane active: both about as slow as the

@@ -608,16 +608,18 @@ void moe_gemm_dot_wgrad(const uint16_t* a, int64_t a_row_stride, int64_t a_rows,
               sycl::group_barrier(w.sg);
             }
             TOut* row0 = out_g + k0 * out_stride_k + n0;
+            const int64_t rb = dy_row_stride * 2, ob = out_stride_k * 2;
             if (odd) {
-              if (w.lane == 0) n_dot_tile_store_bf16<true>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
+              if (w.lane == 0) n_dot_tile_store_bf16<true>(a_end, b_tile, rb, pairs, row0, ob, sums);
             } else if (w.lane == 0) {
-              n_dot_tile_store_bf16<false>(a_end, b_tile, dy_row_stride * 2, pairs, row0, out_stride_k * 2, sums);
+              n_dot_tile_store_bf16<false>(a_end, b_tile, rb, pairs, row0, ob, sums);
             }
             sycl::group_barrier(w.sg);  // the sums area is read before the next unit writes it
             continue;
           }
         }
-        n_dot_tile_sums_for<NDotB::read>(w.lane == 0, valid, sums, a_end, b_tile, dy_row_stride * 2, pairs, nullptr);
+        n_dot_tile_sums_for<NDotB::read>(w.lane == 0, valid, sums, a_end, b_tile, dy_row_stride * 2, pairs,
+                                         nullptr);
         sycl::group_barrier(w.sg);
       }
       for (int i = 0; i < valid; ++i) {  // consecutive lanes, consecutive columns: whole-vector stores

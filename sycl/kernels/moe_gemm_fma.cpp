@@ -270,8 +270,8 @@ void moe_gemm_k_fma(const float* a, int64_t a_row_stride, int64_t a_rows, const 
       a, a_row_stride, a_rows, gather_index, gather_is64, b, b_stride_e, b_stride_n, bias, bias_stride_e, out,
       out_row_stride, out_rows, group_offsets, offsets_is64, num_groups, K, N, activation, up_offset,
       scatter_index, scatter_is64, row_weight, tile_sums,
-      [&](bool lead, int64_t valid, const float* const (&a_end)[TM], const T* const (&b_end)[TN], int64_t k_full,
-          const T* next) {
+      [&](bool lead, int64_t valid, const float* const (&a_end)[TM], const T* const (&b_end)[TN],
+          int64_t k_full, const T* next) {
         if constexpr (W == 8 && TM == 1) {
           if (lead) fma_row_sums(tile_sums, a_end, b_end, k_full, next);
         } else if constexpr (W == 8) {
@@ -482,9 +482,12 @@ void moe_gemm_n_fma(const TA* a, int64_t a_row_stride, int64_t a_rows, const voi
             for (int i = 0; i < TM; ++i) a_end[i] = a_row(i) + K;
             // A unit of several tiles: the first packs its B strip, the others read that.
             const bool lead = w.lane == 0;
-            if (m_last - m_first == 1) n_fma_tile_sums_for<NFmaB::read>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
-            else if (m_tile == m_first) n_fma_tile_sums_for<NFmaB::save>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
-            else n_fma_tile_sums_for<NFmaB::packed>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
+            if (m_last - m_first == 1)
+              n_fma_tile_sums_for<NFmaB::read>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
+            else if (m_tile == m_first)
+              n_fma_tile_sums_for<NFmaB::save>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
+            else
+              n_fma_tile_sums_for<NFmaB::packed>(lead, valid, tile_sums, a_end, b_tile, rb, K, packed);
             sycl::group_barrier(w.sg);
           }
           float add = 0.0f;
