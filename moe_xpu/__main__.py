@@ -74,8 +74,8 @@ def info(warm_up: bool = False) -> None:
                                      "weights contiguous along K with one scale per output channel; self-check passed "
                                      "(MOE_XPU_INT8_DOT=0: off)" if t["int8_dot"] else C.int8_dot_state()))
         print("  4-bit/fp8 dot  " + ("AVX512-BF16 (vdpbf16ps) kernels for int4 (one zero point), MXFP4 and fp8 e4m3 "
-                                     "weights with bf16 activations where groups average more than 2 rows, the values "
-                                     "decoded to bf16 in registers; self-check passed (MOE_XPU_NIBBLE_DOT=0: off)"
+                                     "weights with bf16 activations (decode included: a tile runs only the rows a group "
+                                     "holds), the values decoded to bf16 in registers; self-check passed (MOE_XPU_NIBBLE_DOT=0: off)"
                                      if t["nibble_dot"] else C.nibble_dot_state()))
         fma_tiles = ("AVX2 FMA kernels (register tiles 3 x 4, and 1 x 8 where groups average up to 2 rows) for "
                      "float32, bf16 and fp16 weights" if t["vector_width"] == 8 else

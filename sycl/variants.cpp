@@ -39,9 +39,10 @@ const char* format_name(DType t) {
 
 // The tile shapes compiled into every bundle, per kernel. K-split (k_lanes, plain and gated
 // alike; the gated epilogue needs an even TN: gate and up columns in pairs): {1, 8} decode,
-// {6, 4} otherwise (3-7% faster than {8, 3} and {4, 6} in float32 at 16 and 64 rows per expert,
-// equal in bfloat16); its short last row tiles run 1- and 4-row variants compiled into the same
-// kernel, which measured faster than a separate 4-row tile shape. N-split (n_lanes): wide tiles
+// {6, 4} otherwise (on the AMX Xeon, with the kernel of that time, 3-7% faster than {8, 3} and
+// {4, 6} in float32 at 16 and 64 rows per expert, equal in bfloat16; AVX-512 CPUs now take
+// {4, 6}, see kCpuTileTables); its short last row tiles run 1- and 4-row variants compiled into
+// the same kernel, which measured faster than a separate 4-row tile shape. N-split (n_lanes): wide tiles
 // so each k-step reads a long contiguous piece of a B row: {2, 8} beyond decode ({4, 6} spilled
 // three accumulators; {2, 8} measured 1.27x faster in bfloat16 at 16 rows per expert, equal in
 // float32); for decode on the CPU {1, 128}, a row streaming whole 2048-column blocks of B rows
@@ -73,27 +74,39 @@ constexpr TileShape kNLanesTilesCpu[] = {{1, 128}, {2, 8}};
 constexpr TileShape kNLanesTiles[] = {{1, 8}, {2, 4}};
 
 // The CPU tile tables per vector class, widest first: decode and prefill shape of each family
-// (N-split: for 16-bit B, read as word pairs, and for float32 B).
+// (N-split: for 16-bit B, read as word pairs, and for float32 B), and the quantized vector
+// kernels' tile of several rows (their decode tile is the K-split one).
+// AVX-512 K-split {4, 6}: a row tile's A is read from L2 again for every column tile (a third of
+// the loop's time on an Ice Lake Xeon), and {4, 6} reads it once per 6 columns where {6, 4} does
+// per 4; groups of 8 rows also run as two whole tiles. Zen 5 (2 cores of a VM, AVX-512), float32,
+// cold cache, both tiles in one process by tile override, two rounds, ms, {6, 4} -> {4, 6}: bench
+// gemm 64tok-E64 58.4 / 63.2 -> 45.3 / 50.5, prefill 88.8 / 83.1 -> 75.2 / 77.8, 16tok-E8 18.4 /
+// 17.6 -> 16.4 / 17.9; fused_moe 64tok-E64 82.4 / 73.0 -> 66.9 / 74.2, prefill 121.9 / 121.5 ->
+// 109.3 / 113.3, 16tok-E8 49.9 / 55.3 -> 47.0 / 50.0; bitwise the same outputs. (On the Ice Lake
+// Xeon, {4, 6} had measured within that VM's 20% spread of {6, 4}.) The quantized kernels keep
+// {6, 4}: with their per-column decode, weight-only int8 at 64tok-E64 measured 28.6-32.8 ms on
+// {6, 4}, 37.1-37.5 on {4, 6} (26.9 on the 4-row tile they add for groups of 3-4 rows).
 struct CpuTileTable {
   const char* name;
   int vector_width;  // the narrowest width the table is for
   TileShape k_lanes[2], n_lanes[2], n_lanes_float[2];
+  TileShape quant_tall;
 };
 constexpr CpuTileTable kCpuTileTables[] = {
-    {"avx512", 16, {kKLanesTiles[0], kKLanesTiles[1]}, {kNLanesTilesCpu[0], kNLanesTilesCpu[1]},
-     {kNLanesTilesCpu[0], kNLanesTilesCpu[1]}},
-    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {2, 2}}, {{1, 128}, {6, 1}}},
-    {"sse", 1, {{1, 4}, {2, 2}}, {{1, 128}, {2, 2}}, {{1, 128}, {2, 2}}},
+    {"avx512", 16, {kKLanesTiles[0], {4, 6}}, {kNLanesTilesCpu[0], kNLanesTilesCpu[1]},
+     {kNLanesTilesCpu[0], kNLanesTilesCpu[1]}, kKLanesTiles[1]},
+    {"avx2", 8, {{1, 8}, {3, 2}}, {{1, 128}, {2, 2}}, {{1, 128}, {6, 1}}, {3, 2}},
+    {"sse", 1, {{1, 4}, {2, 2}}, {{1, 128}, {2, 2}}, {{1, 128}, {2, 2}}, {2, 2}},
 };
 
 // MOE_XPU_CPU_TILES="k=1x4,3x4;n=1x128,2x4" replaces the CPU table (tuning on a new CPU class;
 // the description's name carries it, so its bundles are built apart); "f=..." sets float32 B's
-// N-split tiles apart (default: the n tiles).
+// N-split tiles apart (default: the n tiles). The quantized kernels' tall tile is the k part's.
 const CpuTileTable* cpu_tiles_from_environment() {
   static const CpuTileTable* table = []() -> const CpuTileTable* {
     const char* v = std::getenv("MOE_XPU_CPU_TILES");
     if (v == nullptr || *v == '\0') return nullptr;
-    auto* t = new CpuTileTable{"custom", 1, {}, {}, {}};
+    auto* t = new CpuTileTable{"custom", 1, {}, {}, {}, {}};
     int k = 0, n = 0, f = 0;
     std::string spec(v);
     for (std::size_t pos = 0; pos < spec.size();) {
@@ -114,6 +127,7 @@ const CpuTileTable* cpu_tiles_from_environment() {
     if (k != 2 || n != 2 || (f != 0 && f != 2))
       throw std::invalid_argument("moe_xpu: MOE_XPU_CPU_TILES needs two k and two n shapes (and two f shapes, if any)");
     if (f == 0) std::copy(std::begin(t->n_lanes), std::end(t->n_lanes), t->n_lanes_float);
+    t->quant_tall = t->k_lanes[1];
     return t;
   }();
   return table;
@@ -210,7 +224,8 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
     case Family::k_lanes_gated:
       if (d.is_cpu) return {std::begin(cpu_tile_table(d).k_lanes), std::end(cpu_tile_table(d).k_lanes)};
       return {std::begin(kKLanesTiles), std::end(kKLanesTiles)};
-    // The quantized kernels split K like k_lanes and take its CPU register tiles. On GPUs their
+    // The quantized kernels split K like k_lanes and take its CPU decode tile and the table's
+    // quant_tall (AVX-512: {6, 4} where k_lanes takes {4, 6}). On GPUs their
     // dequantization keeps more values live per column: k_lanes' {6, 4} spilled 0.9-2.2 KB per
     // thread on dg2 and mtl for the 4-bit formats (python -m moe_xpu.gpu_check), {2, 4} does not;
     // with a lookup table per column the decode tile {1, 8} spilled 192-544 B there, {1, 4} not.
@@ -225,7 +240,7 @@ std::vector<TileShape> family_tiles(Family f, const DeviceDescription& d, DType 
         // (Ice Lake class: int4 groups of 5 rows took 15x the time of groups of 4). Their tallest
         // tile is kLookupTallTile.
         const CpuTileTable& table = cpu_tile_table(d);
-        std::vector<TileShape> tiles(std::begin(table.k_lanes), std::end(table.k_lanes));
+        std::vector<TileShape> tiles{table.k_lanes[0], table.quant_tall};
         const TileShape tall = tiles.back();
         if ((t == DType::int4 || t == DType::mxfp4) && nibble_lookup(d) &&
             tall.tile_m * tall.tile_n > kLookupTallTile.tile_m * kLookupTallTile.tile_n)
