@@ -302,6 +302,17 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _fail(f"x must be a 2-D float tensor [T, K], got {getattr(x, 'dtype', type(x).__name__)} "
               f"{tuple(getattr(x, 'shape', ()))}")
     T, K = x.shape
+    C = _runtime.sycl_module()
+    if (x.device.type == "cpu" and C is not None and 0 < T * K <= _QUANTIZE_ON_HOST
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        # One pass in the launcher (sycl/host_checks.cpp), the same bits: a decode step's few rows
+        # cost a chain of seven torch ops otherwise, each waking torch's thread pool.
+        x = x if x.stride(1) == 1 else x.contiguous()
+        q = torch.empty(T, K, dtype=torch.int8)
+        scale = torch.empty(T, dtype=torch.float32)
+        C.quantize_rows_on_host(x.data_ptr(), ops._launcher_dtype(x.dtype), T, K, x.stride(0), q.data_ptr(),
+                                scale.data_ptr())
+        return q, scale
     if x.device.type != "cpu" or K == 0 or T * K <= _QUANTIZE_CHUNK:
         return _quantize_rows(x)
     # On the CPU, rows in chunks of about a megabyte of float32: the temporaries stay in cache and
@@ -317,6 +328,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _QUANTIZE_CHUNK = 1 << 18  # elements of x per chunk (1 MB of float32)
+_QUANTIZE_ON_HOST = 1 << 17  # up to this many elements of x (CPU), quantize_rows_on_host
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

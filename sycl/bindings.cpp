@@ -203,6 +203,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("sort_tokens_on_host", &moe_xpu::sort_tokens_on_host, py::arg("topk_ids"), py::arg("ids_are_int64"),
         py::arg("pairs"), py::arg("k"), py::arg("num_experts"), py::arg("gather_index"), py::arg("group_offsets"),
         py::arg("scatter_index"));
+  m.def("quantize_rows_on_host", &moe_xpu::quantize_rows_on_host, py::arg("x"), py::arg("dtype"), py::arg("rows"),
+        py::arg("K"), py::arg("row_stride"), py::arg("q"), py::arg("scale"));
   m.def("moe_gemm_wgrad", &moe_xpu::moe_gemm_wgrad, py::arg("args"), py::call_guard<py::gil_scoped_release>());
   m.def("plan_gemm", &moe_xpu::plan_gemm, py::arg("args"));
   m.def("plan_wgrad", &moe_xpu::plan_wgrad, py::arg("args"));

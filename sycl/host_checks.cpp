@@ -1,5 +1,7 @@
 #include "host_checks.hpp"
 
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,58 @@ std::int64_t read_index(std::uintptr_t base, bool is_int64, std::int64_t i) {
 }
 
 [[noreturn]] void fail(const std::string& message) { throw ArgumentError(message); }
+
+float float_bits(std::uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// An IEEE half's value (exact in float).
+float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+  const int exponent = (h >> 10) & 0x1f;
+  const std::uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return float_bits(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent != 0) return float_bits(sign | (std::uint32_t(exponent + 112) << 23) | (mantissa << 13));
+  const float value = std::ldexp(float(mantissa), -24);  // subnormal or zero
+  return sign ? -value : value;
+}
+
+// Written so that g++ vectorizes both passes with the baseline x86-64 instructions: the maximum
+// over the bit patterns of |v| (an infinity's and a NaN's are above every finite one's), and on
+// finite rows the rounding by adding and subtracting 1.5 * 2^23, which rounds half to even as
+// nearbyint does for |v| <= 2^22 (the quotients are within 127 (1 + 2^-23): no clamp either).
+template <typename Load>
+void quantize_rows(Load load, std::int64_t rows, std::int64_t K, std::int64_t row_stride, std::int8_t* q,
+                   float* scale) {
+  constexpr float kRound = 12582912.0f;
+  std::vector<float> row(static_cast<std::size_t>(K));
+  float* v = row.data();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::uint32_t max_bits = 0;
+    for (std::int64_t k = 0; k < K; ++k) {
+      v[k] = load(r * row_stride + k);
+      std::uint32_t bits;
+      std::memcpy(&bits, &v[k], sizeof bits);
+      bits &= 0x7fffffffu;
+      max_bits = bits > max_bits ? bits : max_bits;
+    }
+    const float s = max_bits > 0x7f800000u ? std::nanf("") : float_bits(max_bits) / 127.0f;
+    const float safe = s > 0.0f ? s : 1.0f;
+    scale[r] = s;
+    std::int8_t* out = q + r * K;
+    if (max_bits < 0x7f800000u) {
+      for (std::int64_t k = 0; k < K; ++k) out[k] = std::int8_t(std::int32_t((v[k] / safe + kRound) - kRound));
+      continue;
+    }
+    for (std::int64_t k = 0; k < K; ++k) {
+      float x = std::nearbyint(v[k] / safe);
+      x = x < -127.0f ? -127.0f : x > 127.0f ? 127.0f : x;
+      out[k] = std::isnan(x) ? std::int8_t(0) : std::int8_t(x);
+    }
+  }
+}
 
 }  // namespace
 
@@ -77,6 +131,29 @@ void sort_tokens_on_host(std::uintptr_t topk_ids, bool ids_are_int64, std::int64
     gather[slot] = p / k;
     scatter[slot] = p;
   }
+}
+
+void quantize_rows_on_host(std::uintptr_t x, DType dtype, std::int64_t rows, std::int64_t K, std::int64_t row_stride,
+                           std::uintptr_t q, std::uintptr_t scale) {
+  auto* out = reinterpret_cast<std::int8_t*>(q);
+  auto* scales = reinterpret_cast<float*>(scale);
+  switch (dtype) {
+    case DType::float32: {
+      const auto* v = reinterpret_cast<const float*>(x);
+      return quantize_rows([v](std::int64_t i) { return v[i]; }, rows, K, row_stride, out, scales);
+    }
+    case DType::bfloat16: {
+      const auto* v = reinterpret_cast<const std::uint16_t*>(x);
+      return quantize_rows([v](std::int64_t i) { return float_bits(std::uint32_t(v[i]) << 16); }, rows, K,
+                           row_stride, out, scales);
+    }
+    case DType::float16: {
+      const auto* v = reinterpret_cast<const std::uint16_t*>(x);
+      return quantize_rows([v](std::int64_t i) { return half_to_float(v[i]); }, rows, K, row_stride, out, scales);
+    }
+    default: break;
+  }
+  fail("x must be float32, bfloat16 or float16");
 }
 
 }  // namespace moe_xpu

@@ -386,6 +386,29 @@ def test_quantize_per_token():
     assert (q.abs().amax(dim=1)[[0, 1, 3, 4, 5]] == 127).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_per_token_on_host_gives_torchs_bits(C, dtype):
+    """Small CPU inputs are quantized in one pass in the launcher (quantize_rows_on_host): the same
+    bits as the torch ops' arithmetic (quant._quantize_rows) on rows that are zero, hold exact ties
+    of the rounding (scale 1: 0.5, 1.5, -2.5), a NaN or an infinity, on strided rows and on a row of
+    one element."""
+    for T, K in [(1, 1), (6, 7), (32, 2048), (3, 1000)]:
+        x = (torch.randn(T, 2 * K) * 3).to(dtype)[:, :K]  # rows 2 K apart
+        assert T * K <= quant._QUANTIZE_ON_HOST and x.stride(0) == 2 * K
+        if T >= 6:
+            x[1] = 0
+            x[2, 0] = float("nan")
+            x[4, K // 2] = float("-inf")
+            x[3, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5]).to(dtype)
+            x[3, 4:] = x[3, 4:].clamp(-127, 127)
+        q, s = moe_xpu.quantize_per_token(x)
+        expected_q, expected_s = quant._quantize_rows(x)
+        assert torch.equal(q, expected_q)
+        assert torch.equal(s.isnan(), expected_s.isnan()) and torch.equal(s.nan_to_num(), expected_s.nan_to_num())
+        if T >= 6:
+            assert q[3, :4].tolist() == [127, 0, 2, -2] and s[3] == 1.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_per_token_in_chunks_gives_the_same_bits(dtype):
     """CPU inputs past one chunk are quantized a block of rows at a time: the result is the
